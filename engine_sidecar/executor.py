@@ -1,0 +1,140 @@
+"""Layer-by-layer fused prefill and decode over one sequence's KV buffer.
+
+Per layer: the active tokens (chosen by the policy) get q/k/v from their current hidden states;
+their pre-RoPE keys and values overwrite the cached ones in the buffer; all keys are rotated to
+their global positions (cos/sin computed once per request); the active queries attend over all
+keys with a causal-by-position mask; attention output and MLP update only the active tokens.
+Tokens not active keep their cached KV, which is what makes reuse cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.plan import FusionPlan
+from engine_sidecar.policies import LayerView, Policy
+from ragcache_kernels.rope import apply_rope
+
+
+@dataclass
+class KVBuffer:
+    """A sequence's KV for every layer, preallocated to `capacity` so decode grows in place."""
+
+    keys_pre: torch.Tensor  # [L, cap, Hkv, D] before RoPE (what the store keeps)
+    keys: torch.Tensor  # [L, cap, Hkv, D] rotated to global positions
+    values: torch.Tensor  # [L, cap, Hkv, D]
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, runner: ModelRunner, capacity: int) -> KVBuffer:
+        c = runner.config
+        shape = (c.num_layers, capacity, c.num_kv_heads, c.head_dim)
+        kw = {"dtype": runner.dtype, "device": runner.device}
+        return cls(torch.empty(shape, **kw), torch.empty(shape, **kw), torch.empty(shape, **kw))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+    def ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        grow = max(needed, 2 * self.capacity) - self.capacity
+        pad = (0, 0, 0, 0, 0, grow)
+        self.keys_pre = torch.nn.functional.pad(self.keys_pre, pad)
+        self.keys = torch.nn.functional.pad(self.keys, pad)
+        self.values = torch.nn.functional.pad(self.values, pad)
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor | None  # [vocab] for the last prompt token
+    kv: KVBuffer
+    token_layers_computed: int  # sum over layers of active tokens: the honest compute share
+    fused_tokens_recomputed: int  # fused (cached) tokens still recomputed at the last layer
+    fused_tokens: int
+
+
+@torch.inference_mode()
+def fused_prefill(
+    runner: ModelRunner,
+    plan: FusionPlan,
+    policy: Policy,
+    capacity: int | None = None,
+    need_logits: bool = True,
+) -> PrefillResult:
+    n = plan.num_tokens
+    device = runner.device
+    kv = KVBuffer.allocate(runner, max(capacity or n, n))
+    ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
+    positions = torch.arange(n, device=device)
+    cos, sin = runner.rope_tables(positions)
+
+    has_cache = torch.zeros(n, dtype=torch.bool)
+    for span in plan.spans:
+        if span.cached is not None and span.mode != "fresh":
+            kv.keys_pre[:, span.start : span.end] = span.cached.keys
+            kv.values[:, span.start : span.end] = span.cached.values
+            has_cache[span.start : span.end] = True
+    fused = torch.zeros(n, dtype=torch.bool)
+    for span in plan.spans:
+        if span.mode == "fuse":
+            fused[span.start : span.end] = True
+
+    active_mask = policy.initial_active(plan) | ~has_cache
+    active = active_mask.nonzero().squeeze(1).to(device)
+    must_keep = (~has_cache)[active.cpu()].to(device)
+    hidden = runner.embed(ids[active])
+    token_layers = 0
+
+    for layer in range(runner.num_layers):
+        qkv = runner.qkv(layer, hidden)
+        keep = policy.refine(
+            LayerView(layer, active, must_keep, qkv.k, qkv.v, kv.keys_pre[layer, active], kv.values[layer, active])
+        )
+        if keep is not None and not bool(keep.all()):
+            keep = keep.to(device)
+            active, must_keep, hidden = active[keep], must_keep[keep], hidden[keep]
+            qkv.q, qkv.k, qkv.v = qkv.q[keep], qkv.k[keep], qkv.v[keep]
+        token_layers += int(active.shape[0])
+        kv.keys_pre[layer, active] = qkv.k
+        kv.values[layer, active] = qkv.v
+        kv.keys[layer, :n] = apply_rope(kv.keys_pre[layer, :n], cos, sin)
+        q = apply_rope(qkv.q, cos[active], sin[active])
+        dense = active.shape[0] == n
+        attn = runner.attention(q, kv.keys[layer, :n], kv.values[layer, :n], positions[active], positions, dense)
+        hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn))
+
+    kv.length = n
+    logits = None
+    if need_logits:
+        if int(active[-1]) != n - 1:
+            raise AssertionError("the last prompt token must stay active to produce logits")
+        logits = runner.logits(hidden[-1:])[0]
+    recomputed = int(fused[active.cpu()].sum())
+    return PrefillResult(logits, kv, token_layers, recomputed, int(fused.sum()))
+
+
+@torch.inference_mode()
+def decode_step(runner: ModelRunner, kv: KVBuffer, token_id: int) -> torch.Tensor:
+    """Append one token at position kv.length and return its logits [vocab]."""
+    pos = kv.length
+    kv.ensure_capacity(pos + 1)
+    device = runner.device
+    position = torch.tensor([pos], device=device)
+    cos, sin = runner.rope_tables(position)
+    key_pos = torch.arange(pos + 1, device=device)
+    hidden = runner.embed(torch.tensor([token_id], device=device))
+    for layer in range(runner.num_layers):
+        qkv = runner.qkv(layer, hidden)
+        kv.keys_pre[layer, pos] = qkv.k[0]
+        kv.keys[layer, pos] = apply_rope(qkv.k, cos, sin)[0]
+        kv.values[layer, pos] = qkv.v[0]
+        q = apply_rope(qkv.q, cos, sin)
+        attn = runner.attention(q, kv.keys[layer, : pos + 1], kv.values[layer, : pos + 1], position, key_pos)
+        hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn))
+    kv.length = pos + 1
+    return runner.logits(hidden)[0]

@@ -1,0 +1,64 @@
+"""Fingerprints that make a chunk cache impossible to reuse across models, tokenizers or dtypes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from engine_sidecar.model.weights import safetensors_files
+from engine_sidecar.paths import ragcache_home
+
+_READ = 8 << 20
+
+
+def _file_digest(path: Path) -> str:
+    """blake2b of a file's bytes, memoized on disk by (path, size, mtime) since weights are large."""
+    st = path.stat()
+    memo_path = ragcache_home() / "fingerprints.json"
+    stamp = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        memo = {}
+    if stamp in memo:
+        return memo[stamp]
+    h = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        while block := f.read(_READ):
+            h.update(block)
+    memo[stamp] = h.hexdigest()
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(memo))
+        tmp.replace(memo_path)
+    except OSError:
+        pass  # a read-only home only costs a re-hash next start
+    return memo[stamp]
+
+
+def model_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update((model_dir / "config.json").read_bytes())
+    for path in safetensors_files(model_dir):
+        h.update(_file_digest(path).encode())
+    h.update(str(dtype).encode())
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(model_dir: Path, chat_template: str | None) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            h.update(name.encode())
+            h.update(path.read_bytes())
+    h.update((chat_template or "").encode())
+    return h.hexdigest()
+
+
+def token_ids_digest(token_ids: list[int]) -> str:
+    return hashlib.blake2b(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes(), digest_size=16).hexdigest()

@@ -1,0 +1,142 @@
+"""A compact Llama-family forward (Llama/SmolLM2, Qwen2, Mistral) exposed as per-layer steps.
+
+The fused-prefill executor drives these steps itself: it decides, per layer, which tokens get
+hidden states, which cached keys are rotated where, and which mask applies. Shapes are
+per-sequence (no batch axis): hidden [T, hidden], q [T, H, D], k/v [T, Hkv, D].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine_sidecar.errors import UnsupportedDtypeError
+from engine_sidecar.model.config import ModelConfig, load_config
+from engine_sidecar.model.weights import LayerWeights, ModelWeights, load_weights
+from ragcache_kernels.attention import selective_attention
+from ragcache_kernels.rope import apply_rope, cos_sin, inv_frequencies
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise UnsupportedDtypeError(f"unknown device '{device}': use auto, cpu or cuda") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedDtypeError("device 'cuda' requested but no CUDA GPU is visible: use --device cpu")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # fp32 on CPU: bf16 matmuls on these CPUs are not faster and lose fidelity.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise UnsupportedDtypeError(f"unknown dtype '{dtype}': use auto, float32, bfloat16 or float16")
+    resolved = DTYPES[dtype]
+    if resolved == torch.float16 and device.type == "cpu":
+        raise UnsupportedDtypeError("float16 is not supported on CPU: use --dtype bfloat16 or float32")
+    return resolved
+
+
+@dataclass
+class QKV:
+    q: torch.Tensor
+    k: torch.Tensor  # before RoPE
+    v: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self.device = device
+        rope = config.rope
+        self.inv_freq = inv_frequencies(
+            config.head_dim, rope.theta, rope.rope_type, rope.factor, rope.low_freq_factor,
+            rope.high_freq_factor, rope.original_max_position_embeddings,
+        ).to(device)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> ModelRunner:
+        path = Path(model_dir)
+        config = load_config(path)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        return cls(config, load_weights(path, config, dt, dev), dt, dev)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    # --- steps -------------------------------------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids.to(self.device), self.weights.embed)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def qkv(self, layer: int, hidden: torch.Tensor) -> QKV:
+        """Input norm and q/k/v projections; k is returned before RoPE (position-free)."""
+        w = self.weights.layers[layer]
+        x = self.rms_norm(hidden, w.input_norm)
+        c = self.config
+        q = F.linear(x, w.q_proj, w.q_bias).view(-1, c.num_heads, c.head_dim)
+        k = F.linear(x, w.k_proj, w.k_bias).view(-1, c.num_kv_heads, c.head_dim)
+        v = F.linear(x, w.v_proj, w.v_bias).view(-1, c.num_kv_heads, c.head_dim)
+        return QKV(q, k, v)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cos_sin(positions.to(self.device), self.inv_freq)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope_tables(positions)
+        return apply_rope(x, cos, sin)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        query_pos: torch.Tensor,
+        key_pos: torch.Tensor,
+        dense_causal: bool = False,
+    ) -> torch.Tensor:
+        out = selective_attention(q, k, v, query_pos, key_pos, self.config.sliding_window, dense_causal)
+        return out.reshape(out.shape[0], -1)
+
+    def attn_out(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        return hidden + F.linear(attn, self.weights.layers[layer].o_proj)
+
+    def mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        w: LayerWeights = self.weights.layers[layer]
+        x = self.rms_norm(hidden, w.post_norm)
+        return hidden + F.linear(F.silu(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.rms_norm(hidden, self.weights.final_norm), self.weights.lm_head).float()
+
+    # --- convenience -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Plain full prefill of one sequence at positions 0..T-1 -> logits [T, vocab]."""
+        positions = torch.arange(token_ids.shape[0], device=self.device)
+        h = self.embed(token_ids)
+        for layer in range(self.num_layers):
+            s = self.qkv(layer, h)
+            cos, sin = self.rope_tables(positions)
+            q, k = apply_rope(s.q, cos, sin), apply_rope(s.k, cos, sin)
+            a = self.attention(q, k, s.v, positions, positions, dense_causal=True)
+            h = self.mlp(layer, self.attn_out(layer, h, a))
+        return self.logits(h)

@@ -1,0 +1,144 @@
+"""Token-selection policies for fused prefill, behind one small interface.
+
+A policy answers two questions for the executor: which tokens get hidden states from layer 0
+(`initial_active`), and, after a layer's q/k/v projections, which of those tokens keep being
+recomputed (`refine`). Active sets only shrink, because a dropped token has no hidden state to
+come back with. Tokens of `fresh` spans (no cache) and the question are always kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine_sidecar.errors import InvalidPromptError
+from engine_sidecar.plan import FusionPlan
+
+
+@dataclass
+class LayerView:
+    layer: int
+    active: torch.Tensor  # [A] global token indices with hidden states, ascending
+    must_keep: torch.Tensor  # [A] bool: tokens that cannot be dropped (fresh spans, question)
+    new_keys: torch.Tensor  # [A, Hkv, D] recomputed, before RoPE
+    new_values: torch.Tensor
+    cached_keys: torch.Tensor  # [A, Hkv, D] cached (meaningless where must_keep)
+    cached_values: torch.Tensor
+
+
+def span_masks(plan: FusionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fused, fresh) boolean masks over all prompt tokens."""
+    fused = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    fresh = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    for span in plan.spans:
+        if span.mode == "fuse":
+            fused[span.start : span.end] = True
+        elif span.mode == "fresh":
+            fresh[span.start : span.end] = True
+    return fused, fresh
+
+
+class Policy:
+    name = "policy"
+    uses_cache = True
+
+    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
+        """Bool mask [T]; must include every fresh token."""
+        return span_masks(plan)[1]
+
+    def refine(self, view: LayerView) -> torch.Tensor | None:
+        """Bool mask [A] of tokens to keep, or None to keep all."""
+        return None
+
+
+class FullPolicy(Policy):
+    """No reuse at all: the ordinary prefill every benchmark compares against."""
+
+    name = "full"
+    uses_cache = False
+
+    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
+        return torch.ones(plan.num_tokens, dtype=torch.bool)
+
+
+class ReusePolicy(Policy):
+    """Reuse every cached chunk as is (rotated), recompute nothing."""
+
+    name = "reuse"
+
+
+class EpicPolicy(Policy):
+    """EPIC: recompute the first k tokens of each fused chunk (its spurious attention sink)."""
+
+    name = "epic"
+
+    def __init__(self, k: int = 16):
+        self.k = k
+
+    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
+        active = span_masks(plan)[1]
+        for span in plan.spans:
+            if span.mode == "fuse":
+                active[span.start : span.start + min(self.k, len(span))] = True
+        return active
+
+
+class CacheBlendPolicy(Policy):
+    """CacheBlend: all fused tokens computed up to the check layer; there the top-r tokens by
+    value deviation (recomputed vs cached) are kept and the rest fall back to their cached KV.
+    With gradual filtering, the kept share shrinks from `start_ratio` to r over a few layers."""
+
+    name = "cacheblend"
+
+    def __init__(self, ratio: float = 0.15, check_layer: int = 1, gradual: bool = False):
+        if not 0.0 <= ratio <= 1.0:
+            raise InvalidPromptError(f"cacheblend ratio must be in [0, 1], got {ratio}")
+        self.ratio = ratio
+        self.check_layer = check_layer
+        self.gradual = gradual
+        self._fused_total = 0
+
+    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
+        fused, fresh = span_masks(plan)
+        self._fused_total = int(fused.sum())
+        return fused | fresh
+
+    def _target_ratio(self, layer: int) -> float | None:
+        if not self.gradual:
+            return self.ratio if layer == self.check_layer else None
+        steps = [min(1.0, self.ratio * 3), min(1.0, self.ratio * 2), self.ratio]
+        offset = layer - self.check_layer
+        return steps[offset] if 0 <= offset < len(steps) else None
+
+    def refine(self, view: LayerView) -> torch.Tensor | None:
+        ratio = self._target_ratio(view.layer)
+        if ratio is None or ratio >= 1.0:
+            return None
+        candidates = ~view.must_keep
+        budget = math.ceil(ratio * self._fused_total)
+        deviation = (view.new_values - view.cached_values).float().pow(2).sum(dim=(1, 2))
+        deviation[~candidates] = -1.0
+        keep = view.must_keep.clone()
+        budget = min(budget, int(candidates.sum()))
+        if budget > 0:
+            keep[torch.topk(deviation, budget).indices] = True
+        return keep
+
+
+def parse_policy(spec: str) -> Policy:
+    """'full', 'reuse', 'cacheblend', 'cacheblend:0.3', 'epic:16'."""
+    name, _, arg = spec.partition(":")
+    try:
+        if name == "full":
+            return FullPolicy()
+        if name == "reuse":
+            return ReusePolicy()
+        if name == "cacheblend":
+            return CacheBlendPolicy(float(arg)) if arg else CacheBlendPolicy()
+        if name == "epic":
+            return EpicPolicy(int(arg)) if arg else EpicPolicy()
+    except ValueError as exc:
+        raise InvalidPromptError(f"bad argument in policy '{spec}': {exc}") from exc
+    raise InvalidPromptError(f"unknown policy '{spec}': use full, reuse, cacheblend[:ratio] or epic[:k]")

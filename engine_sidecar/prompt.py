@@ -1,0 +1,128 @@
+"""Prompt assembly by segments: template prefix, one segment per chunk, question + template suffix.
+
+Each segment is tokenized on its own and the ids are concatenated, so a chunk yields the same
+token ids wherever it sits. The chat template is rendered once with sentinel strings in the user
+turn and split there, which works for any template (ChatML, Llama 3, Mistral) without knowing it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from engine_sidecar.errors import InvalidPromptError
+from ragcache_integrations.types import Chunk, ChunkedPrompt, normalize_text
+
+SegmentKind = Literal["prefix", "chunk", "question"]
+_CHUNKS_MARK = "\u2063RAGCACHE_CHUNKS\u2063"
+_QUESTION_MARK = "\u2063RAGCACHE_QUESTION\u2063"
+QUESTION_TEMPLATE = "Answer the question using the passages above.\nQuestion: {question}"
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: SegmentKind
+    token_ids: tuple[int, ...]
+    chunk_id: str | None = None
+
+
+@dataclass(frozen=True)
+class AssembledPrompt:
+    segments: list[Segment]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.token_ids]
+
+    def __len__(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
+
+
+def check_text(field: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidPromptError(f"{field} is not valid UTF-8 text (position {exc.start}); decode it first") from exc
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, cache_size: int = 4096):
+        self.tokenizer = tokenizer
+        self._token_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cache_size = cache_size
+
+    @classmethod
+    def load(cls, model_dir: Path) -> PromptBuilder:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(model_dir)))
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        cached = self._token_cache.get(text)
+        if cached is not None:
+            self._token_cache.move_to_end(text)
+            return cached
+        ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        self._token_cache[text] = ids
+        if len(self._token_cache) > self._cache_size:
+            self._token_cache.popitem(last=False)
+        return ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _frame(self, system: str) -> tuple[str, str]:
+        """Template text before the user content and after it (with the generation prompt)."""
+        if not self.chat_template:
+            return f"{system}\n\n", "\nAnswer:"
+        content = _CHUNKS_MARK + _QUESTION_MARK
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "system", "content": system}, {"role": "user", "content": content}],
+                tokenize=False, add_generation_prompt=True,
+            )
+        except Exception:  # templates without a system role (some Mistral ones) raise here
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"{system}\n\n{content}"}],
+                tokenize=False, add_generation_prompt=True,
+            )
+        head, rest = rendered.split(_CHUNKS_MARK, 1)
+        tail = rest.split(_QUESTION_MARK, 1)[1]
+        return head, tail
+
+    def chunk_segment(self, chunk: Chunk) -> Segment:
+        return Segment("chunk", self.encode(chunk.text.strip() + "\n\n"), chunk.id)
+
+    def prefix_segment(self, system: str) -> Segment:
+        return Segment("prefix", self.encode(self._frame(system)[0]))
+
+    def build(self, prompt: ChunkedPrompt) -> AssembledPrompt:
+        check_text("system", prompt.system)
+        check_text("question", prompt.question)
+        if not prompt.question.strip():
+            raise InvalidPromptError("question is empty: give the question to answer")
+        head, tail = self._frame(prompt.system)
+        segments = [Segment("prefix", self.encode(head))]
+        for i, chunk in enumerate(prompt.chunks):
+            check_text(f"chunks[{i}].text", chunk.text)
+            if normalize_text(chunk.text):
+                segments.append(self.chunk_segment(chunk))
+        question = QUESTION_TEMPLATE.format(question=prompt.question.strip()) if prompt.chunks else prompt.question
+        segments.append(Segment("question", self.encode(question + tail)))
+        return AssembledPrompt(segments)
+
+    def build_chat(self, messages: list[dict[str, str]]) -> AssembledPrompt:
+        """A plain chat (no chunks): one template-rendered segment, computed fresh."""
+        for i, m in enumerate(messages):
+            check_text(f"messages[{i}].content", m.get("content", ""))
+        if self.chat_template:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+        return AssembledPrompt([Segment("question", self.encode(text))])

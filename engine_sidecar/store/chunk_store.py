@@ -1,0 +1,110 @@
+"""The tiered chunk KV store: RAM (LRU by bytes) in front of an optional disk tier."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine_sidecar.store.disk import DiskTier
+from engine_sidecar.store.entry import CacheKey, ChunkKV
+from engine_sidecar.store.ram import RamTier
+
+
+@dataclass
+class StoreStats:
+    ram_entries: int
+    ram_bytes: int
+    ram_capacity_bytes: int
+    disk_entries: int
+    disk_bytes: int
+    hits_ram: int
+    hits_disk: int
+    misses: int
+    corrupt_files: int
+
+
+class ChunkStore:
+    def __init__(self, ram_capacity_bytes: int, disk_dir: Path | None, device: torch.device):
+        self.ram = RamTier(ram_capacity_bytes)
+        self.disk = DiskTier(disk_dir) if disk_dir is not None else None
+        self.device = device
+        self._lock = threading.Lock()
+        self._by_chunk_id: dict[str, set[str]] = {}
+        self.hits_ram = self.hits_disk = self.misses = 0
+
+    def get(self, key: CacheKey) -> ChunkKV | None:
+        digest = key.digest
+        entry = self.ram.get(digest)
+        if entry is not None:
+            self.hits_ram += 1
+            return entry
+        if self.disk is not None:
+            entry = self.disk.get(digest)
+            if entry is not None and entry.tenant == key.tenant:
+                self.hits_disk += 1
+                entry.keys, entry.values = entry.keys.to(self.device), entry.values.to(self.device)
+                self._remember(digest, entry)
+                self.ram.put(digest, entry)
+                return entry
+        self.misses += 1
+        return None
+
+    def contains(self, key: CacheKey) -> bool:
+        digest = key.digest
+        return digest in self.ram or (self.disk is not None and digest in self.disk)
+
+    def put(self, key: CacheKey, entry: ChunkKV) -> None:
+        digest = key.digest
+        self._remember(digest, entry)
+        self.ram.put(digest, entry)
+        if self.disk is not None:
+            self.disk.put(digest, entry)
+
+    def _remember(self, digest: str, entry: ChunkKV) -> None:
+        if entry.chunk_id:
+            with self._lock:
+                self._by_chunk_id.setdefault(entry.chunk_id, set()).add(digest)
+
+    def delete(self, chunk_id: str | None = None) -> int:
+        """Drop all entries, or those of one chunk id; returns how many digests were removed."""
+        if self.disk is not None:
+            self.disk.flush()
+        if chunk_id is None:
+            count = len(self.ram) + (len(self.disk.digests()) if self.disk else 0)
+            self.ram.clear()
+            if self.disk is not None:
+                self.disk.clear()
+            with self._lock:
+                self._by_chunk_id.clear()
+            return count
+        with self._lock:
+            digests = self._by_chunk_id.pop(chunk_id, set())
+        if self.disk is not None:  # entries from before a restart are only known on disk
+            digests |= {d for d in self.disk.digests() if self.disk.metadata(d).get("chunk_id") == chunk_id}
+        removed = 0
+        for digest in digests:
+            hit = self.ram.remove(digest)
+            if self.disk is not None:
+                hit = self.disk.remove(digest) or hit
+            removed += int(hit)
+        return removed
+
+    def flush(self) -> None:
+        if self.disk is not None:
+            self.disk.flush()
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            ram_entries=len(self.ram),
+            ram_bytes=self.ram.bytes_used,
+            ram_capacity_bytes=self.ram.capacity_bytes,
+            disk_entries=len(self.disk.digests()) if self.disk else 0,
+            disk_bytes=self.disk.bytes_used if self.disk else 0,
+            hits_ram=self.hits_ram,
+            hits_disk=self.hits_disk,
+            misses=self.misses,
+            corrupt_files=self.disk.corrupt_files_seen if self.disk else 0,
+        )

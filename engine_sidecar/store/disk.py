@@ -1,0 +1,124 @@
+"""Disk tier: one safetensors file per chunk, written atomically, checksum verified on read.
+
+A damaged or truncated file is reported once as a warning, deleted, and treated as a miss: the
+chunk is simply recomputed. Writes go through a background thread so a request never waits on
+the disk; `flush()` waits for pending writes (on shutdown).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine_sidecar.store.entry import ChunkKV
+
+log = logging.getLogger("ragcache.store")
+_SUFFIX = ".kv.safetensors"
+
+
+def _checksum(entry_tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(entry_tensors):
+        t = entry_tensors[name].contiguous()
+        h.update(name.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class DiskTier:
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._pending: queue.Queue[tuple[str, ChunkKV] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="ragcache-disk-writer", daemon=True)
+        self._writer.start()
+        self.corrupt_files_seen = 0
+
+    def path_for(self, digest: str) -> Path:
+        return self.directory / digest[:2] / f"{digest}{_SUFFIX}"
+
+    def __contains__(self, digest: str) -> bool:
+        return self.path_for(digest).is_file()
+
+    def put(self, digest: str, entry: ChunkKV) -> None:
+        self._pending.put((digest, entry))
+
+    def flush(self) -> None:
+        self._pending.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._pending.get()
+            try:
+                if item is not None:
+                    self._write(*item)
+            except OSError as exc:
+                log.warning("could not write chunk cache file: %s", exc)
+            finally:
+                self._pending.task_done()
+
+    def _write(self, digest: str, entry: ChunkKV) -> None:
+        path = self.path_for(digest)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"keys": entry.keys.cpu().contiguous(), "values": entry.values.cpu().contiguous(),
+                   "token_ids": entry.token_ids.cpu().contiguous()}
+        meta = {"digest": digest, "checksum": _checksum(tensors), "chunk_id": entry.chunk_id or "",
+                "tenant": entry.tenant, **entry.meta}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+
+    def get(self, digest: str) -> ChunkKV | None:
+        path = self.path_for(digest)
+        if not path.is_file():
+            return None
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as handle:
+                meta = handle.metadata() or {}
+            tensors = load_file(str(path))
+            if meta.get("digest") != digest or meta.get("checksum") != _checksum(tensors):
+                raise ValueError("checksum mismatch")
+        except Exception as exc:  # any damage at all must end as a miss, never a crash
+            self.corrupt_files_seen += 1
+            log.warning("chunk cache file %s is damaged (%s); recomputing it", path.name, exc)
+            path.unlink(missing_ok=True)
+            return None
+        extra = {k: v for k, v in meta.items() if k not in ("digest", "checksum", "chunk_id", "tenant")}
+        return ChunkKV(tensors["keys"], tensors["values"], tensors["token_ids"],
+                       meta.get("chunk_id") or None, meta.get("tenant", ""), extra)
+
+    def remove(self, digest: str) -> bool:
+        path = self.path_for(digest)
+        existed = path.is_file()
+        path.unlink(missing_ok=True)
+        return existed
+
+    def digests(self) -> list[str]:
+        return [p.name[: -len(_SUFFIX)] for p in self.directory.glob(f"*/*{_SUFFIX}")]
+
+    def metadata(self, digest: str) -> dict[str, str]:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.path_for(digest)), framework="pt") as handle:
+                return handle.metadata() or {}
+        except Exception:
+            return {}
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(p.stat().st_size for p in self.directory.glob(f"*/*{_SUFFIX}"))
+
+    def clear(self) -> None:
+        self.flush()
+        for digest in self.digests():
+            self.remove(digest)

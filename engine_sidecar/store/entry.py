@@ -1,0 +1,46 @@
+"""What the chunk store holds: position-free KV of one token span, for every layer."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """(model, tokenizer, token ids, tenant, precompute context) -> one hex digest.
+
+    `context` names how the KV was computed: 'isolated', or 'after:<prefix digest>' for the
+    after-prefix convention, or 'exact' for spans computed at their final positions.
+    """
+
+    model_fp: str
+    tokenizer_fp: str
+    tokens_digest: str
+    tenant: str
+    context: str
+
+    @property
+    def digest(self) -> str:
+        raw = "|".join((self.model_fp, self.tokenizer_fp, self.tokens_digest, self.tenant, self.context))
+        return hashlib.blake2b(raw.encode(), digest_size=20).hexdigest()
+
+
+@dataclass
+class ChunkKV:
+    keys: torch.Tensor  # [layers, n, kv_heads, head_dim], before RoPE
+    values: torch.Tensor  # [layers, n, kv_heads, head_dim]
+    token_ids: torch.Tensor  # [n] int64
+    chunk_id: str | None = None
+    tenant: str = ""
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes + self.token_ids.nbytes

@@ -1,0 +1,102 @@
+"""Plain data shared by client and engine: chunks, chunk-structured prompts, sampling options.
+
+These pydantic models are the wire schema too (the sidecar and the client import them), so a
+field added here reaches both sides at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_SPACE = re.compile(r"\s+")
+
+
+def normalize_text(text: str) -> str:
+    """Unicode NFC, whitespace runs collapsed, ends stripped: what makes two chunk texts 'the same'."""
+    return _SPACE.sub(" ", unicodedata.normalize("NFC", text)).strip()
+
+
+def chunk_id_for(text: str) -> str:
+    return "c-" + hashlib.blake2b(normalize_text(text).encode("utf-8"), digest_size=12).hexdigest()
+
+
+class Chunk(BaseModel):
+    """One retrieved passage. `id` defaults to a hash of the normalized text, so the same passage
+    gets the same id in every app replica without coordination."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str
+    id: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _default_id(self) -> Chunk:
+        if not self.id:
+            self.id = chunk_id_for(self.text)
+        return self
+
+
+class ChunkedPrompt(BaseModel):
+    """A RAG prompt kept as structure: system + chunks + question (no separator strings)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    system: str = "You are a helpful assistant. Answer the question using the passages."
+    chunks: list[Chunk] = Field(default_factory=list)
+    question: str
+    conversation_id: str | None = None
+
+    @field_validator("chunks", mode="before")
+    @classmethod
+    def _accept_strings(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"text": v} if isinstance(v, str) else v for v in value]
+        return value
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(default=64, ge=1, le=4096)
+    temperature: float = Field(default=0.0, ge=0.0, le=5.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [value]
+        return value or []
+
+
+class GenerationStats(BaseModel):
+    """What one request cost and what reuse saved. Times in seconds."""
+
+    ttft_s: float = 0.0
+    prefill_tokens_total: int = 0
+    tokens_reused: int = 0
+    tokens_recomputed: int = 0
+    tokens_computed_fresh: int = 0
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    computed_fraction: float = 1.0
+    decode_tokens: int = 0
+    policy: str = ""
+    stage_times: dict[str, float] = Field(default_factory=dict)
+    plan: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class GenerationResult(BaseModel):
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length
+    stats: GenerationStats

