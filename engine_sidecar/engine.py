@@ -26,6 +26,7 @@ from engine_sidecar.paths import default_cache_dir
 from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.policies import Policy, ReusePolicy, parse_policy
 from engine_sidecar.prompt import AssembledPrompt, PromptBuilder, Segment
+from engine_sidecar.reorder import ChunkAccessTable, check_order
 from engine_sidecar.sampling import TextAccumulator, choose_token
 from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.entry import CacheKey, ChunkKV
@@ -54,6 +55,7 @@ class EngineConfig:
     convention: Convention = "isolated"
     precompute: Precompute = "inline"
     threads: int | None = None
+    ca_window: int = 1000  # CA-Table sliding window, in requests
 
 
 class GenerationStream:
@@ -85,6 +87,7 @@ class Engine:
         self._background: queue.Queue[tuple[Chunk, str, str] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self.eos_ids = self._eos_ids()
+        self.access_table = ChunkAccessTable(config.ca_window)
 
     @classmethod
     def from_pretrained(cls, model: str | Path = "default", device: str = "auto", dtype: str = "auto",
@@ -229,19 +232,40 @@ class Engine:
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
-                 policy: str | Policy = "cacheblend", tenant: str = "") -> GenerationResult:
-        stream = self.stream(prompt, sampling, policy, tenant)
+                 policy: str | Policy = "cacheblend", tenant: str = "", order: str = "preserve") -> GenerationResult:
+        """Answer a chunk-structured prompt. `policy` picks the recompute strategy, `order`
+        ('preserve' or 'frequency') whether chunks are re-sorted by the CA-Table, `tenant` salts
+        every cache key so tenants never share KV."""
+        stream = self.stream(prompt, sampling, policy, tenant, order)
         for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
 
     def stream(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
-               policy: str | Policy = "cacheblend", tenant: str = "") -> GenerationStream:
+               policy: str | Policy = "cacheblend", tenant: str = "", order: str = "preserve") -> GenerationStream:
         prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
+        check_order(order)
+        self.access_table.record([c.id or "" for c in prompt.chunks])
+        if order == "frequency" and prompt.chunks:
+            prompt = prompt.model_copy(update={"chunks": self.access_table.sort(prompt.chunks, lambda c: c.id)})
         sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
         pol = policy if isinstance(policy, Policy) else parse_policy(policy)
         return GenerationStream(self._run(prompt, None, sampling, pol, tenant))
+
+    def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
+                       tenant: str = "") -> tuple[torch.Tensor, GenerationStats]:
+        """Next-token logits after the prompt, and the prefill's stats (for fidelity checks)."""
+        prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
+        pol = policy if isinstance(policy, Policy) else parse_policy(policy)
+        t0 = time.perf_counter()
+        assembled = self.builder.build(prompt)
+        with self._lock:
+            plan, hits, misses, _ = self._plan(assembled, prompt, pol, tenant)
+            result = fused_prefill(self.runner, plan, pol)
+            self._learn(plan, result, tenant)
+        assert result.logits is not None
+        return result.logits, self._stats(plan, result, hits, misses, time.perf_counter() - t0, pol, {})
 
     def stream_chat(self, messages: list[dict[str, str]], sampling: SamplingParams | dict | None = None,
                     tenant: str = "") -> GenerationStream:

@@ -21,6 +21,15 @@ def normalize_text(text: str) -> str:
     return _SPACE.sub(" ", unicodedata.normalize("NFC", text)).strip()
 
 
+def require_utf8(text: str) -> str:
+    """Reject strings holding lone surrogates (undecodable bytes smuggled in by surrogateescape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid UTF-8 (character {exc.start}); decode it before sending") from None
+    return text
+
+
 def chunk_id_for(text: str) -> str:
     return "c-" + hashlib.blake2b(normalize_text(text).encode("utf-8"), digest_size=12).hexdigest()
 
@@ -34,6 +43,8 @@ class Chunk(BaseModel):
     text: str
     id: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    _utf8 = field_validator("text")(classmethod(lambda cls, v: require_utf8(v)))
 
     @model_validator(mode="after")
     def _default_id(self) -> Chunk:
@@ -51,6 +62,8 @@ class ChunkedPrompt(BaseModel):
     chunks: list[Chunk] = Field(default_factory=list)
     question: str
     conversation_id: str | None = None
+
+    _utf8 = field_validator("system", "question")(classmethod(lambda cls, v: require_utf8(v)))
 
     @field_validator("chunks", mode="before")
     @classmethod
