@@ -17,6 +17,8 @@ from typing import Literal
 
 import torch
 
+from engine_sidecar.conversation import Conversation, ConversationStore
+from engine_sidecar.cptree import CPTree
 from engine_sidecar.errors import PromptTooLongError
 from engine_sidecar.executor import KVBuffer, PrefillResult, decode_step, fused_prefill
 from engine_sidecar.fingerprint import model_fingerprint, token_ids_digest, tokenizer_fingerprint
@@ -24,8 +26,9 @@ from engine_sidecar.model.prepare import resolve_model_dir
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.paths import default_cache_dir
 from engine_sidecar.plan import FusionPlan, PlanSpan
+from engine_sidecar.planner import PlannedRequest, Planner
 from engine_sidecar.policies import Policy, ReusePolicy, parse_policy
-from engine_sidecar.prompt import AssembledPrompt, PromptBuilder, Segment
+from engine_sidecar.prompt import PromptBuilder, Segment
 from engine_sidecar.reorder import ChunkAccessTable, check_order
 from engine_sidecar.sampling import TextAccumulator, choose_token
 from engine_sidecar.store.chunk_store import ChunkStore
@@ -56,6 +59,11 @@ class EngineConfig:
     precompute: Precompute = "inline"
     threads: int | None = None
     ca_window: int = 1000  # CA-Table sliding window, in requests
+    prefix_tree: bool = True  # CP-Tree exact chunk-prefix reuse
+    promote_threshold: int = 2  # CA-Table count every chunk of a path needs before it is stored
+    conversation_dedup: bool = True  # drop chunks a conversation already holds from its next turn
+    conversation_ttl_s: float = 900.0
+    conversation_max_tokens: int = 6144
 
 
 class GenerationStream:
@@ -88,6 +96,9 @@ class Engine:
         self._worker: threading.Thread | None = None
         self.eos_ids = self._eos_ids()
         self.access_table = ChunkAccessTable(config.ca_window)
+        self.conversations = ConversationStore(config.conversation_ttl_s, config.conversation_max_tokens)
+        self.planner = Planner(self)
+        self.cptree = CPTree(lambda node: self.store.contains(self.planner.node_key(node)), config.promote_threshold)
 
     @classmethod
     def from_pretrained(cls, model: str | Path = "default", device: str = "auto", dtype: str = "auto",
@@ -115,7 +126,10 @@ class Engine:
         return ids
 
     def _key(self, token_ids: tuple[int, ...], tenant: str, context: str) -> CacheKey:
-        return CacheKey(self.model_fp, self.tokenizer_fp, token_ids_digest(list(token_ids)), tenant, context)
+        return self._key_digest(token_ids_digest(list(token_ids)), tenant, context)
+
+    def _key_digest(self, tokens_digest: str, tenant: str, context: str) -> CacheKey:
+        return CacheKey(self.model_fp, self.tokenizer_fp, tokens_digest, tenant, context)
 
     def _chunk_context(self, prefix: Segment) -> str:
         if self.config.convention == "after-prefix":
@@ -194,48 +208,13 @@ class Engine:
         """Block until background precompute work queued so far is stored."""
         self._background.join()
 
-    # --- planning ----------------------------------------------------------------------------
-    def _plan(self, assembled: AssembledPrompt, prompt: ChunkedPrompt | None, policy: Policy,
-              tenant: str) -> tuple[FusionPlan, int, int, list[Chunk]]:
-        spans: list[PlanSpan] = []
-        hits = misses = 0
-        to_background: list[Chunk] = []
-        prefix = assembled.segments[0] if assembled.segments[0].kind == "prefix" else None
-        chunks_by_id = {c.id: c for c in (prompt.chunks if prompt else [])}
-        pos = 0
-        for seg in assembled.segments:
-            span = PlanSpan(seg.kind, pos, seg.token_ids, "fresh", chunk_id=seg.chunk_id)
-            if policy.uses_cache and seg.kind == "prefix":
-                span.cached = self.store.get(self._key(seg.token_ids, tenant, "exact"))
-                span.mode = "exact" if span.cached is not None else "fresh"
-            elif policy.uses_cache and seg.kind == "chunk" and prefix is not None:
-                key = self._key(seg.token_ids, tenant, self._chunk_context(prefix))
-                span.cached = self.store.get(key)
-                if span.cached is None and self.config.precompute == "inline":
-                    span.cached = self._compute_chunk_kv(seg, prefix, tenant)
-                    self.store.put(key, span.cached)
-                    misses += 1
-                elif span.cached is None:
-                    misses += 1
-                    chunk = chunks_by_id.get(seg.chunk_id)
-                    if chunk is not None:
-                        to_background.append(chunk)
-                else:
-                    hits += 1
-                if span.cached is not None:
-                    # After-prefix KV of the first chunk was computed at exactly these positions.
-                    exact = self.config.convention == "after-prefix" and pos == len(prefix.token_ids)
-                    span.mode = "exact" if exact else "fuse"
-            spans.append(span)
-            pos += len(seg.token_ids)
-        return FusionPlan(spans, policy.name), hits, misses, to_background
-
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                  policy: str | Policy = "cacheblend", tenant: str = "", order: str = "preserve") -> GenerationResult:
         """Answer a chunk-structured prompt. `policy` picks the recompute strategy, `order`
         ('preserve' or 'frequency') whether chunks are re-sorted by the CA-Table, `tenant` salts
-        every cache key so tenants never share KV."""
+        every cache key so tenants never share KV. With `prompt.conversation_id` the next turn
+        continues from this one's KV."""
         stream = self.stream(prompt, sampling, policy, tenant, order)
         for _ in stream:
             pass
@@ -244,98 +223,136 @@ class Engine:
 
     def stream(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                policy: str | Policy = "cacheblend", tenant: str = "", order: str = "preserve") -> GenerationStream:
+        prompt, sampling, pol = self._prepare(prompt, sampling, policy, order)
+        return GenerationStream(self._run(prompt, sampling, pol, tenant))
+
+    def _prepare(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None,
+                 policy: str | Policy, order: str) -> tuple[ChunkedPrompt, SamplingParams, Policy]:
         prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
+        sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
+        pol = policy if isinstance(policy, Policy) else parse_policy(policy)
         check_order(order)
         self.access_table.record([c.id or "" for c in prompt.chunks])
         if order == "frequency" and prompt.chunks:
             prompt = prompt.model_copy(update={"chunks": self.access_table.sort(prompt.chunks, lambda c: c.id)})
-        sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
-        pol = policy if isinstance(policy, Policy) else parse_policy(policy)
-        return GenerationStream(self._run(prompt, None, sampling, pol, tenant))
+        return prompt, sampling, pol
 
     def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
-                       tenant: str = "") -> tuple[torch.Tensor, GenerationStats]:
+                       tenant: str = "", order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
         """Next-token logits after the prompt, and the prefill's stats (for fidelity checks)."""
-        prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
-        pol = policy if isinstance(policy, Policy) else parse_policy(policy)
+        prompt, _, pol = self._prepare(prompt, None, policy, order)
         t0 = time.perf_counter()
-        assembled = self.builder.build(prompt)
+        self._validate(prompt, 1)
         with self._lock:
-            plan, hits, misses, _ = self._plan(assembled, prompt, pol, tenant)
-            result = fused_prefill(self.runner, plan, pol)
-            self._learn(plan, result, tenant)
+            planned = self.planner.plan(prompt, pol, tenant, self.config.prefix_tree, self.config.conversation_dedup)
+            result = fused_prefill(self.runner, planned.plan, pol)
+            self._learn(planned, result, tenant)
         assert result.logits is not None
-        return result.logits, self._stats(plan, result, hits, misses, time.perf_counter() - t0, pol, {})
+        return result.logits, self._stats(planned, result, time.perf_counter() - t0, pol, {})
 
     def stream_chat(self, messages: list[dict[str, str]], sampling: SamplingParams | dict | None = None,
                     tenant: str = "") -> GenerationStream:
         """A plain chat completion (no chunks): the whole prompt is computed fresh."""
         sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
-        return GenerationStream(self._run(None, messages, sampling, parse_policy("full"), tenant))
+        assembled = self.builder.build_chat(messages)
+        self._check_total(len(assembled), sampling.max_tokens)
+        seg = assembled.segments[0]
+        plan = FusionPlan([PlanSpan("question", 0, seg.token_ids, "fresh")], "full")
+        return GenerationStream(self._decode_loop(PlannedRequest(plan), sampling, parse_policy("full"), "", None,
+                                                  time.perf_counter(), {}))
 
-    def _run(self, prompt: ChunkedPrompt | None, messages: list[dict[str, str]] | None,
-             sampling: SamplingParams, policy: Policy, tenant: str) -> Iterator[str | GenerationResult]:
-        t0 = time.perf_counter()
-        times: dict[str, float] = {}
-        assembled = self.builder.build(prompt) if prompt is not None else self.builder.build_chat(messages or [])
-        for i, seg in enumerate(s for s in assembled.segments if s.kind == "chunk"):
-            self._check_chunk_fits(seg, i)
-        total = len(assembled)
-        if total + sampling.max_tokens > self.max_context:
+    def _check_total(self, total: int, max_tokens: int) -> None:
+        if total + max_tokens > self.max_context:
             raise PromptTooLongError(
-                f"prompt has {total} tokens and max_tokens is {sampling.max_tokens}: together more than the "
+                f"prompt has {total} tokens and max_tokens is {max_tokens}: together more than the "
                 f"model's context window ({self.max_context}); send fewer or shorter chunks or lower max_tokens"
             )
+
+    def _validate(self, prompt: ChunkedPrompt, max_tokens: int) -> None:
+        assembled = self.builder.build(prompt)
+        for i, seg in enumerate(s for s in assembled.segments if s.kind == "chunk"):
+            self._check_chunk_fits(seg, i)
+        self._check_total(len(assembled), max_tokens)
+
+    def _run(self, prompt: ChunkedPrompt, sampling: SamplingParams, policy: Policy,
+             tenant: str) -> Iterator[str | GenerationResult]:
+        t0 = time.perf_counter()
+        times: dict[str, float] = {}
+        self._validate(prompt, sampling.max_tokens)
         times["tokenize_s"] = time.perf_counter() - t0
         with self._lock:
             t1 = time.perf_counter()
-            plan, hits, misses, to_background = self._plan(assembled, prompt, policy, tenant)
+            planned = self.planner.plan(prompt, policy, tenant, self.config.prefix_tree, self.config.conversation_dedup)
+            if planned.plan.num_tokens + sampling.max_tokens > self.max_context and planned.conversation:
+                # the history no longer fits: drop the conversation whole and start over
+                self.conversations.drop(tenant, prompt.conversation_id or "")
+                planned = self.planner.plan(prompt, policy, tenant, self.config.prefix_tree,
+                                            self.config.conversation_dedup)
+                planned.plan.notes.append("conversation evicted: history over the context window")
             times["plan_s"] = time.perf_counter() - t1
-            t2 = time.perf_counter()
-            result = fused_prefill(self.runner, plan, policy, capacity=total + sampling.max_tokens)
-            times["prefill_s"] = time.perf_counter() - t2
-            self._learn(plan, result, tenant)
-            generator = None
-            if sampling.seed is not None:
-                generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
-            logits = result.logits
-            assert logits is not None
-            token = choose_token(logits, sampling, generator)
-            ttft = time.perf_counter() - t0
-            stats = self._stats(plan, result, hits, misses, ttft, policy, times)
-            text = TextAccumulator(self.builder.decode, sampling.stop)
-            stop_ids = self.eos_ids | set(sampling.stop_token_ids)
-            generated: list[int] = []
-            finish = "length"
-            t3 = time.perf_counter()
-            while True:
-                if token in stop_ids:
-                    finish = "stop"
-                    break
-                generated.append(token)
-                delta = text.add(token)
-                if delta:
-                    yield delta
-                if text.stopped:
-                    finish = "stop"
-                    break
-                if len(generated) >= sampling.max_tokens:
-                    break
-                token = choose_token(decode_step(self.runner, result.kv, token), sampling, generator)
-            tail = text.finish()
-            if tail:
-                yield tail
-            times["decode_s"] = time.perf_counter() - t3
-        if prompt is not None:
-            for chunk in to_background:
+            yield from self._decode_loop(planned, sampling, policy, tenant, prompt, t0, times)
+        if planned.background:
+            for chunk in planned.background:
                 self._enqueue_background(chunk, prompt.system, tenant)
+
+    def _decode_loop(self, planned: PlannedRequest, sampling: SamplingParams, policy: Policy, tenant: str,
+                     prompt: ChunkedPrompt | None, t0: float,
+                     times: dict[str, float]) -> Iterator[str | GenerationResult]:
+        t2 = time.perf_counter()
+        total = planned.plan.num_tokens
+        result = fused_prefill(self.runner, planned.plan, policy, capacity=total + sampling.max_tokens + 1)
+        times["prefill_s"] = time.perf_counter() - t2
+        self._learn(planned, result, tenant)
+        generator = torch.Generator(device="cpu").manual_seed(sampling.seed) if sampling.seed is not None else None
+        assert result.logits is not None
+        token = choose_token(result.logits, sampling, generator)
+        stats = self._stats(planned, result, time.perf_counter() - t0, policy, times)
+        text = TextAccumulator(self.builder.decode, sampling.stop)
+        stop_ids = self.eos_ids | set(sampling.stop_token_ids)
+        generated: list[int] = []
+        finish = "length"
+        t3 = time.perf_counter()
+        while True:
+            if token in stop_ids:
+                finish = "stop"
+                break
+            generated.append(token)
+            delta = text.add(token)
+            if delta:
+                yield delta
+            if text.stopped:
+                finish = "stop"
+                break
+            if len(generated) >= sampling.max_tokens:
+                break
+            token = choose_token(decode_step(self.runner, result.kv, token), sampling, generator)
+        tail = text.finish()
+        if tail:
+            yield tail
+        times["decode_s"] = time.perf_counter() - t3
+        if prompt is not None and prompt.conversation_id:
+            self._keep_conversation(prompt, planned, result.kv, generated, tenant)
         stats.decode_tokens = len(generated)
         stats.stage_times = times
         yield GenerationResult(text=text.text, token_ids=generated, finish_reason=finish, stats=stats)
 
-    def _learn(self, plan: FusionPlan, result: PrefillResult, tenant: str) -> None:
-        """Keep what this request computed exactly: the template prefix, and under the
-        after-prefix convention the first chunk when it was computed fresh right after it."""
+    def _keep_conversation(self, prompt: ChunkedPrompt, planned: PlannedRequest, kv: KVBuffer,
+                           generated: list[int], tenant: str) -> None:
+        token_ids = planned.plan.token_ids + generated
+        while kv.length < len(token_ids):  # the last sampled token was never fed back
+            decode_step(self.runner, kv, token_ids[kv.length])
+        n = len(token_ids)
+        history = ChunkKV(kv.keys_pre[:, :n].clone(), kv.values[:, :n].clone(),
+                          torch.tensor(token_ids, dtype=torch.long), None, tenant)
+        previous = planned.conversation
+        chunk_ids = (previous.chunk_ids if previous else set()) | set(planned.chunk_ids)
+        self.conversations.put(Conversation(tenant, prompt.conversation_id or "", prompt.system, history, chunk_ids,
+                                            turns=(previous.turns + 1) if previous else 1))
+
+    def _learn(self, planned: PlannedRequest, result: PrefillResult, tenant: str) -> None:
+        """Keep what this request computed exactly: the template prefix, new CP-Tree nodes, and
+        under the after-prefix convention a first chunk computed fresh right after the prefix."""
+        plan = planned.plan
         if not plan.spans or plan.policy == "full":
             return
         first = plan.spans[0]
@@ -345,25 +362,29 @@ class Engine:
                 nxt = plan.spans[1]
                 if nxt.kind == "chunk" and nxt.mode == "fresh":
                     self._store_span(result.kv, nxt, tenant, "after:" + token_ids_digest(list(first.token_ids)))
+        for index, node in planned.new_nodes:
+            self._store_span(result.kv, plan.spans[index], tenant, "path:" + node.path_digest)
 
-    def _stats(self, plan: FusionPlan, result: PrefillResult, hits: int, misses: int, ttft: float,
+    def _stats(self, planned: PlannedRequest, result: PrefillResult, ttft: float,
                policy: Policy, times: dict[str, float]) -> GenerationStats:
+        plan = planned.plan
         total = plan.num_tokens
         cached = sum(len(s) for s in plan.spans if s.mode != "fresh")
-        fresh = total - cached
         recomputed = result.fused_tokens_recomputed
         return GenerationStats(
             ttft_s=ttft,
             prefill_tokens_total=total,
             tokens_reused=cached - recomputed,
             tokens_recomputed=recomputed,
-            tokens_computed_fresh=fresh,
-            chunk_hits=hits,
-            chunk_misses=misses,
+            tokens_computed_fresh=total - cached,
+            chunk_hits=planned.hits,
+            chunk_misses=planned.misses,
             computed_fraction=result.token_layers_computed / max(1, total * self.runner.num_layers),
             policy=policy.name,
             stage_times=times,
             plan=plan.describe(),
+            notes=plan.notes,
+            chunks_deduplicated=len(planned.dropped_chunk_ids),
         )
 
     # --- housekeeping ------------------------------------------------------------------------

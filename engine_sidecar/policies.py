@@ -42,7 +42,8 @@ def span_masks(plan: FusionPlan) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Policy:
     name = "policy"
-    uses_cache = True
+    uses_cache = True  # looks up cached KV at all
+    fuses = True  # places cached chunk KV at new positions (else only exact prefix reuse)
 
     def initial_active(self, plan: FusionPlan) -> torch.Tensor:
         """Bool mask [T]; must include every fresh token."""
@@ -58,9 +59,19 @@ class FullPolicy(Policy):
 
     name = "full"
     uses_cache = False
+    fuses = False
 
     def initial_active(self, plan: FusionPlan) -> torch.Tensor:
         return torch.ones(plan.num_tokens, dtype=torch.bool)
+
+
+class PrefixPolicy(Policy):
+    """Exact prefix reuse only (what vLLM/SGLang prefix caching gives, at chunk granularity):
+    the template prefix, a conversation's history and the longest CP-Tree path are reused;
+    everything after them is computed with full attention."""
+
+    name = "prefix"
+    fuses = False
 
 
 class ReusePolicy(Policy):
@@ -133,6 +144,8 @@ def parse_policy(spec: str) -> Policy:
     try:
         if name == "full":
             return FullPolicy()
+        if name == "prefix":
+            return PrefixPolicy()
         if name == "reuse":
             return ReusePolicy()
         if name == "cacheblend":
@@ -141,4 +154,4 @@ def parse_policy(spec: str) -> Policy:
             return EpicPolicy(int(arg)) if arg else EpicPolicy()
     except ValueError as exc:
         raise InvalidPromptError(f"bad argument in policy '{spec}': {exc}") from exc
-    raise InvalidPromptError(f"unknown policy '{spec}': use full, reuse, cacheblend[:ratio] or epic[:k]")
+    raise InvalidPromptError(f"unknown policy '{spec}': use full, prefix, reuse, cacheblend[:ratio] or epic[:k]")

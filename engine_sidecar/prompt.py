@@ -15,9 +15,10 @@ from typing import Literal
 from engine_sidecar.errors import InvalidPromptError
 from ragcache_integrations.types import Chunk, ChunkedPrompt, normalize_text
 
-SegmentKind = Literal["prefix", "chunk", "question"]
+SegmentKind = Literal["prefix", "chunk", "question", "history", "separator"]
 _CHUNKS_MARK = "\u2063RAGCACHE_CHUNKS\u2063"
 _QUESTION_MARK = "\u2063RAGCACHE_QUESTION\u2063"
+_ANSWER_MARK = "\u2063RAGCACHE_ANSWER\u2063"
 QUESTION_TEMPLATE = "Answer the question using the passages above.\nQuestion: {question}"
 
 
@@ -95,6 +96,24 @@ class PromptBuilder:
         head, rest = rendered.split(_CHUNKS_MARK, 1)
         tail = rest.split(_QUESTION_MARK, 1)[1]
         return head, tail
+
+    def turn_separator(self, system: str) -> str:
+        """Template text between an assistant answer and the next user turn's content
+        (ChatML: '<|im_end|>\\n<|im_start|>user\\n')."""
+        if not self.chat_template:
+            return "\n\n"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": _ANSWER_MARK}, {"role": "user", "content": _CHUNKS_MARK}]
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return rendered.split(_ANSWER_MARK, 1)[1].split(_CHUNKS_MARK, 1)[0]
+
+    def build_followup(self, prompt: ChunkedPrompt, known_chunk_ids: set[str]) -> AssembledPrompt:
+        """The segments a conversation's next turn adds after its history: turn separator, the
+        chunks the conversation does not hold yet, the question."""
+        full = self.build(prompt)
+        separator = Segment("separator", self.encode(self.turn_separator(prompt.system)))
+        new = [s for s in full.segments if s.kind == "chunk" and s.chunk_id not in known_chunk_ids]
+        return AssembledPrompt([separator, *new, full.segments[-1]])
 
     def chunk_segment(self, chunk: Chunk) -> Segment:
         return Segment("chunk", self.encode(chunk.text.strip() + "\n\n"), chunk.id)

@@ -106,6 +106,8 @@ class GenerationStats(BaseModel):
     policy: str = ""
     stage_times: dict[str, float] = Field(default_factory=dict)
     plan: list[dict[str, Any]] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+    chunks_deduplicated: int = 0  # chunks dropped because the conversation already holds them
 
 
 class GenerationResult(BaseModel):

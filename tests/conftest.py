@@ -53,6 +53,8 @@ def tiny_llama_dir(tmp_path_factory, smol_dir) -> Path:
 def tiny_engine(tiny_llama_dir, tmp_path):
     from engine_sidecar import Engine
 
-    engine = Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv")
+    # CP-Tree off: these tests look at fusion alone (tests/test_prefix_reuse.py covers the tree)
+    engine = Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
+                                    prefix_tree=False)
     yield engine
     engine.close()

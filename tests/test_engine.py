@@ -89,22 +89,22 @@ def test_other_tenant_misses(tiny_engine):
 
 def test_other_model_or_dtype_misses_on_shared_disk_cache(tiny_llama_dir, smol_dir, tmp_path):
     cache = tmp_path / "kv"
-    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=cache) as first:
+    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=cache, prefix_tree=False) as first:
         first.warm(PASSAGES)
         first.store.flush()
     other_dir = make_tiny_model(tmp_path / "other", "llama", tokenizer_from=smol_dir, num_hidden_layers=2)
-    with Engine.from_pretrained(other_dir, device="cpu", dtype="float32", cache_dir=cache) as other:
+    with Engine.from_pretrained(other_dir, device="cpu", dtype="float32", cache_dir=cache, prefix_tree=False) as other:
         assert other.generate(prompt(), {"max_tokens": 2}).stats.chunk_hits == 0
-    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="bfloat16", cache_dir=cache) as bf16:
+    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="bfloat16", cache_dir=cache, prefix_tree=False) as bf16:
         assert bf16.generate(prompt(), {"max_tokens": 2}).stats.chunk_hits == 0
 
 
 def test_disk_tier_survives_restart_and_detects_corruption(tiny_llama_dir, tmp_path, caplog):
     cache = tmp_path / "kv"
-    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=cache) as first:
+    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=cache, prefix_tree=False) as first:
         assert first.warm(PASSAGES) == 3
         expected = first.generate(prompt(), {"max_tokens": 5}).token_ids
-    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=cache) as second:
+    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=cache, prefix_tree=False) as second:
         result = second.generate(prompt(), {"max_tokens": 5})
         assert result.stats.chunk_hits == 3
         assert second.store.hits_disk >= 3
@@ -116,7 +116,7 @@ def test_disk_tier_survives_restart_and_detects_corruption(tiny_llama_dir, tmp_p
         data[-64:] = bytes(b ^ 0xFF for b in data[-64:])
         path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="ragcache.store"):
-        with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=cache) as third:
+        with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=cache, prefix_tree=False) as third:
             result = third.generate(prompt(), {"max_tokens": 5})
     assert result.stats.chunk_misses == 3
     assert result.token_ids == expected
@@ -142,7 +142,7 @@ def test_stop_string_cuts_the_answer(tiny_engine):
 
 def test_background_precompute_turns_misses_into_hits(tiny_llama_dir, tmp_path):
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
-                                precompute="background") as engine:
+                                precompute="background", prefix_tree=False) as engine:
         first = engine.generate(prompt(), {"max_tokens": 2})
         assert first.stats.chunk_misses == 3 and first.stats.tokens_computed_fresh == first.stats.prefill_tokens_total
         engine.wait_background()
@@ -151,7 +151,7 @@ def test_background_precompute_turns_misses_into_hits(tiny_llama_dir, tmp_path):
 
 def test_after_prefix_convention_reuses_first_chunk_exactly(tiny_llama_dir, tmp_path):
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
-                                convention="after-prefix") as engine:
+                                convention="after-prefix", prefix_tree=False) as engine:
         full, _ = engine.prefill_logits(ChunkedPrompt(chunks=PASSAGES[:1], question="Where?"), policy="full")
         engine.warm(PASSAGES[:1])
         reused, stats = engine.prefill_logits(ChunkedPrompt(chunks=PASSAGES[:1], question="Where?"), policy="reuse")

@@ -1,0 +1,136 @@
+"""`ragcache bench fidelity`: answer quality and TTFT of each policy against full prefill.
+
+Policies run interleaved per question (these machines are shared and noisy, so only ratios
+measured side by side mean anything). All chunks are warmed first, so every policy but `full`
+sees 100% chunk hits. transformers' own prefill of the same token ids is timed too, to show the
+engine's `full` is an honest baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import track
+
+from engine_sidecar.bench.metrics import exact_match, rouge_l, token_f1
+from engine_sidecar.errors import InvalidPromptError
+from ragcache_integrations.types import ChunkedPrompt, SamplingParams
+
+
+def load_records(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not isinstance(data, list) or not all(isinstance(r, dict) and "question" in r and "ctxs" in r for r in data):
+        raise InvalidPromptError(f"{path}: expected records with 'question', 'answers' and 'ctxs'")
+    return data
+
+
+def chunk_texts(record: dict[str, Any], k: int) -> list[str]:
+    return [f"{c.get('title', '')}\n{c['text']}".strip() for c in record["ctxs"][:k]]
+
+
+def _transformers_prefill_s(model, token_ids: list[int]) -> float:
+    import torch
+
+    ids = torch.tensor([token_ids])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model(ids)
+        return time.perf_counter() - start
+
+
+def run_fidelity(args: argparse.Namespace) -> int:
+    from engine_sidecar.cli import engine_from_args
+
+    console = Console()
+    records = load_records(args.data)[: args.n]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if "full" not in policies:
+        policies.insert(0, "full")
+    sampling = SamplingParams(max_tokens=args.max_tokens)
+    rows: list[dict[str, Any]] = []
+    with engine_from_args(args) as engine:
+        hf_model = None
+        if not args.no_transformers:
+            from transformers import AutoModelForCausalLM
+
+            hf_model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.runner.dtype).eval()
+        for record in track(records, description="warming chunk KV", console=console):
+            engine.warm(chunk_texts(record, args.k))
+        engine.generate(ChunkedPrompt(chunks=chunk_texts(records[0], 1), question="warm-up"), {"max_tokens": 2})
+        for i, record in enumerate(track(records, description="answering", console=console)):
+            prompt = ChunkedPrompt(chunks=chunk_texts(record, args.k), question=record["question"])
+            row: dict[str, Any] = {"index": i, "question": record["question"], "answers": record.get("answers", []),
+                                   "policies": {}}
+            for policy in policies:
+                result = engine.generate(prompt, sampling, policy=policy)
+                row["policies"][policy] = {"text": result.text, "first_token": result.token_ids[:1],
+                                           "ttft_s": result.stats.ttft_s,
+                                           "computed_fraction": result.stats.computed_fraction,
+                                           "prompt_tokens": result.stats.prefill_tokens_total}
+            if hf_model is not None:
+                ids = engine.builder.build(prompt).token_ids
+                row["transformers_prefill_s"] = _transformers_prefill_s(hf_model, ids)
+            rows.append(row)
+    summary = summarize(rows, policies)
+    config = {"data": str(args.data), "n": len(rows), "k": args.k, "max_tokens": args.max_tokens,
+              "model": str(args.model), "dtype": args.dtype, "device": args.device, "policies": policies,
+              "convention": args.convention}
+    transformers_times = [r["transformers_prefill_s"] for r in rows if "transformers_prefill_s" in r]
+    if transformers_times:
+        config["transformers_prefill_median_s"] = statistics.median(transformers_times)
+    print(markdown_table(summary, config))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"config": config, "policies": summary, "rows": rows}, indent=1))
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def summarize(rows: list[dict[str, Any]], policies: list[str]) -> dict[str, dict[str, float]]:
+    full_ttft = statistics.median(r["policies"]["full"]["ttft_s"] for r in rows)
+    out: dict[str, dict[str, float]] = {}
+    for policy in policies:
+        per = [(r, r["policies"][policy]) for r in rows]
+        ttft = statistics.median(p["ttft_s"] for _, p in per)
+        out[policy] = {
+            "em": statistics.mean(exact_match(p["text"], r["answers"]) for r, p in per),
+            "f1": statistics.mean(token_f1(p["text"], r["answers"]) for r, p in per),
+            "rouge_l_vs_full": statistics.mean(rouge_l(p["text"], r["policies"]["full"]["text"]) for r, p in per),
+            "first_token_agreement": statistics.mean(
+                float(p["first_token"] == r["policies"]["full"]["first_token"]) for r, p in per),
+            "ttft_median_s": ttft,
+            "ttft_ratio_vs_full": ttft / full_ttft,
+            "computed_fraction": statistics.mean(p["computed_fraction"] for _, p in per),
+        }
+    return out
+
+
+def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any]) -> str:
+    lines = [
+        f"fidelity: {config['n']} questions, {config['k']} chunks each, {config['max_tokens']} tokens, "
+        f"model {config['model']}",
+        "",
+        "| policy | EM | F1 | ROUGE-L vs full | first-token agreement | TTFT median (s) | TTFT vs full | computed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in summary.items():
+        lines.append(f"| {name} | {m['em']:.2f} | {m['f1']:.3f} | {m['rouge_l_vs_full']:.3f} | "
+                     f"{m['first_token_agreement']:.2f} | {m['ttft_median_s']:.3f} | {m['ttft_ratio_vs_full']:.3f} | "
+                     f"{m['computed_fraction']:.3f} |")
+    if "transformers_prefill_median_s" in config:
+        lines.append("")
+        lines.append(f"transformers' own prefill of the same prompts: median "
+                     f"{config['transformers_prefill_median_s']:.3f} s; engine `full` TTFT median "
+                     f"{summary['full']['ttft_median_s']:.3f} s (ratio "
+                     f"{summary['full']['ttft_median_s'] / config['transformers_prefill_median_s']:.2f})")
+    return "\n".join(lines)

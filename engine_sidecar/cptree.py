@@ -1,0 +1,96 @@
+"""CP-Tree (CRAFT): a tree of chunk sequences whose KV is stored exactly, at fixed positions.
+
+A path root -> C1 -> C2 -> C3 means a request once computed [prefix, C1, C2, C3] with full
+attention and kept each chunk's KV at its exact positions. A new request starting with the same
+prefix and chunks reuses the longest matching path with no rotation and no recompute; a stored
+[C1, C2, C3] also serves [C1] and [C1, C2] (prefix slicing), since each node keeps only its own
+span. A node's KV lives in the chunk store; `is_alive` asks the store, and a node whose KV was
+evicted is cut off with its subtree, so evicted KV can never be used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+def chain_digest(parent: str, child: str) -> str:
+    return hashlib.blake2b(f"{parent}>{child}".encode(), digest_size=16).hexdigest()
+
+
+@dataclass
+class CPNode:
+    chunk_digest: str  # digest of this chunk's token ids ('' for a root)
+    path_digest: str  # chain digest of root .. this node: names the node's KV in the store
+    chunk_id: str | None = None
+    tenant: str = ""
+    children: dict[str, CPNode] = field(default_factory=dict)
+    parent: CPNode | None = None
+
+    @property
+    def depth(self) -> int:
+        node, depth = self, 0
+        while node.parent is not None:
+            node, depth = node.parent, depth + 1
+        return depth
+
+
+class CPTree:
+    def __init__(self, is_alive: Callable[[CPNode], bool], promote_threshold: int = 2):
+        self.is_alive = is_alive
+        self.promote_threshold = promote_threshold
+        self._roots: dict[str, CPNode] = {}
+        self._lock = threading.Lock()
+
+    def root(self, root_digest: str, tenant: str = "") -> CPNode:
+        """The root for one (tenant, template prefix): paths never cross prefixes or tenants."""
+        with self._lock:
+            node = self._roots.get(root_digest)
+            if node is None:
+                node = self._roots[root_digest] = CPNode("", root_digest, tenant=tenant)
+            return node
+
+    def match(self, root_digest: str, chunk_digests: Sequence[str], tenant: str = "") -> list[CPNode]:
+        """Longest stored path for these leading chunks (dead nodes are pruned on the way)."""
+        path: list[CPNode] = []
+        node = self.root(root_digest, tenant)
+        for digest in chunk_digests:
+            child = node.children.get(digest)
+            if child is None:
+                break
+            if not self.is_alive(child):
+                self.remove(child)
+                break
+            path.append(child)
+            node = child
+        return path
+
+    def child_path_digest(self, parent: CPNode, chunk_digest: str) -> str:
+        return chain_digest(parent.path_digest, chunk_digest)
+
+    def insert(self, parent: CPNode, chunk_digest: str, chunk_id: str | None = None) -> CPNode:
+        with self._lock:
+            child = parent.children.get(chunk_digest)
+            if child is None:
+                child = CPNode(chunk_digest, self.child_path_digest(parent, chunk_digest), chunk_id,
+                               tenant=parent.tenant, parent=parent)
+                parent.children[chunk_digest] = child
+            return child
+
+    def should_promote(self, counts: Sequence[int]) -> bool:
+        """A path [C1..Cd] is promoted once every chunk on it reached the threshold."""
+        return bool(counts) and all(c >= self.promote_threshold for c in counts)
+
+    def remove(self, node: CPNode) -> None:
+        with self._lock:
+            if node.parent is not None and node.parent.children.get(node.chunk_digest) is node:
+                del node.parent.children[node.chunk_digest]
+            node.parent = None
+
+    def nodes(self) -> int:
+        def count(node: CPNode) -> int:
+            return 1 + sum(count(c) for c in node.children.values())
+
+        return sum(count(r) - 1 for r in self._roots.values())

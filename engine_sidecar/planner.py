@@ -1,0 +1,160 @@
+"""Planner: chunk-structured prompt -> FusionPlan.
+
+Order of decisions (each step only sees what the previous left):
+  conversation history (exact) and dedup of chunks it already holds
+  -> template prefix (exact when cached)
+  -> longest CP-Tree path over the leading chunks (exact, no rotation, no recompute)
+  -> promotion: chunks right after the path that reached the threshold are computed with full
+     attention and become tree nodes
+  -> the remaining chunks through the fusion policy (rotated cached KV + selective recompute)
+  -> the question (fresh).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine_sidecar.conversation import Conversation
+from engine_sidecar.cptree import CPNode, chain_digest
+from engine_sidecar.fingerprint import token_ids_digest
+from engine_sidecar.plan import FusionPlan, PlanSpan
+from engine_sidecar.policies import Policy
+from engine_sidecar.prompt import Segment
+from engine_sidecar.store.entry import CacheKey
+from ragcache_integrations.types import Chunk, ChunkedPrompt
+
+if TYPE_CHECKING:
+    from engine_sidecar.engine import Engine
+
+
+@dataclass
+class PlannedRequest:
+    plan: FusionPlan
+    hits: int = 0
+    misses: int = 0
+    background: list[Chunk] = field(default_factory=list)
+    new_nodes: list[tuple[int, CPNode]] = field(default_factory=list)  # (span index, node) to store
+    conversation: Conversation | None = None
+    dropped_chunk_ids: list[str] = field(default_factory=list)
+    chunk_ids: list[str] = field(default_factory=list)
+
+
+class Planner:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def root_digest(self, prefix: Segment, tenant: str) -> str:
+        return chain_digest(tenant, token_ids_digest(list(prefix.token_ids)))
+
+    def node_key(self, node: CPNode) -> CacheKey:
+        return self.engine._key_digest(node.chunk_digest, node.tenant, "path:" + node.path_digest)
+
+    def plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, use_prefix_tree: bool,
+             dedup: bool) -> PlannedRequest:
+        engine = self.engine
+        conv = None
+        if prompt.conversation_id:
+            conv = engine.conversations.get(tenant, prompt.conversation_id)
+            if conv is not None and conv.system != prompt.system:
+                engine.conversations.drop(tenant, prompt.conversation_id)
+                conv = None
+        if conv is not None:
+            known = conv.chunk_ids if dedup else set()
+            assembled = engine.builder.build_followup(prompt, known)
+            out = PlannedRequest(FusionPlan([], policy.name), conversation=conv)
+            out.dropped_chunk_ids = [c.id for c in prompt.chunks if c.id in known]
+            history = PlanSpan("history", 0, tuple(conv.history.token_ids.tolist()),
+                               "exact" if policy.uses_cache else "fresh",
+                               conv.history if policy.uses_cache else None)
+            out.plan.spans.append(history)
+            out.plan.notes.append(f"conversation turn {conv.turns + 1}: {history.end} history tokens reused")
+            prefix = engine.builder.prefix_segment(prompt.system)
+            self._chunks_and_question(out, assembled.segments, history.end, prefix, policy, tenant, prompt,
+                                      tree_root=None)
+            return out
+        assembled = engine.builder.build(prompt)
+        out = PlannedRequest(FusionPlan([], policy.name))
+        prefix = assembled.segments[0]
+        span = PlanSpan("prefix", 0, prefix.token_ids, "fresh")
+        if policy.uses_cache:
+            span.cached = engine.store.get(engine._key(prefix.token_ids, tenant, "exact"))
+            span.mode = "exact" if span.cached is not None else "fresh"
+        out.plan.spans.append(span)
+        root = self.root_digest(prefix, tenant) if (use_prefix_tree and policy.uses_cache) else None
+        self._chunks_and_question(out, assembled.segments[1:], span.end, prefix, policy, tenant, prompt, root)
+        return out
+
+    def _chunks_and_question(self, out: PlannedRequest, segments: list[Segment], pos: int, prefix: Segment,
+                             policy: Policy, tenant: str, prompt: ChunkedPrompt, tree_root: str | None) -> None:
+        engine = self.engine
+        chunks_by_id = {c.id: c for c in prompt.chunks}
+        chunk_segs = [s for s in segments if s.kind == "chunk"]
+        out.chunk_ids = [s.chunk_id or "" for s in chunk_segs]
+        digests = [token_ids_digest(list(s.token_ids)) for s in chunk_segs]
+        path: list[CPNode] = []
+        parent: CPNode | None = None
+        if tree_root is not None:
+            path = engine.cptree.match(tree_root, digests, tenant)
+            parent = path[-1] if path else engine.cptree.root(tree_root, tenant)
+        chunk_index = 0
+        extending = tree_root is not None  # still contiguous with exact KV before us
+        for seg in segments:
+            span = PlanSpan(seg.kind, pos, seg.token_ids, "fresh", chunk_id=seg.chunk_id)
+            if seg.kind == "chunk":
+                i = chunk_index
+                chunk_index += 1
+                if i < len(path):
+                    span.cached = engine.store.get(self.node_key(path[i]))
+                    if span.cached is not None:
+                        span.mode = "exact"
+                        out.hits += 1
+                        out.plan.spans.append(span)
+                        pos = span.end
+                        continue
+                    extending = False  # evicted between match and lookup: fall back below
+                if extending and parent is not None and self._promotable(chunk_segs[: i + 1]):
+                    # computed with full attention after exact KV: exact, so it becomes a node
+                    node = engine.cptree.insert(parent, digests[i], seg.chunk_id)
+                    out.new_nodes.append((len(out.plan.spans), node))
+                    parent = node
+                    out.misses += 1
+                    out.plan.spans.append(span)
+                    pos = span.end
+                    if policy.fuses:
+                        extending = False  # fusion policies extend the path by one chunk per request
+                    continue
+                extending = False
+                if policy.uses_cache and policy.fuses:
+                    self._fuse_or_miss(out, span, seg, prefix, tenant, chunks_by_id)
+                else:
+                    out.misses += int(policy.uses_cache)
+            out.plan.spans.append(span)
+            pos = span.end
+
+    def _promotable(self, segs: list[Segment]) -> bool:
+        counts = [self.engine.access_table.count(s.chunk_id or "") for s in segs]
+        return self.engine.cptree.should_promote(counts)
+
+    def _fuse_or_miss(self, out: PlannedRequest, span: PlanSpan, seg: Segment, prefix: Segment, tenant: str,
+                      chunks_by_id: dict[str | None, Chunk]) -> None:
+        engine = self.engine
+        key = engine._key(seg.token_ids, tenant, engine._chunk_context(prefix))
+        span.cached = engine.store.get(key)
+        if span.cached is not None:
+            out.hits += 1
+        elif engine.config.precompute == "inline":
+            span.cached = engine._compute_chunk_kv(seg, prefix, tenant)
+            engine.store.put(key, span.cached)
+            out.misses += 1
+        else:
+            out.misses += 1
+            chunk = chunks_by_id.get(seg.chunk_id)
+            if chunk is not None:
+                out.background.append(chunk)
+        if span.cached is not None:
+            # After-prefix KV of the first chunk was computed at exactly these positions.
+            exact = (engine.config.convention == "after-prefix" and span.start == len(prefix.token_ids)
+                     and out.conversation is None)
+            span.mode = "exact" if exact else "fuse"
+
