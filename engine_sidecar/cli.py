@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine_sidecar.errors import RagCacheError
 
-POLICY_HELP = "full | reuse | cacheblend[:ratio] | epic[:k]"
+POLICY_HELP = "full | prefix | reuse | cacheblend[:ratio] | epic[:k]"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -105,6 +105,12 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     return run_fidelity(args)
 
 
+def cmd_bench_workload(args: argparse.Namespace) -> int:
+    from engine_sidecar.bench.workload import run_workload
+
+    return run_workload(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ragcache",
@@ -174,6 +180,31 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--no-transformers", action="store_true", help="skip timing transformers' own prefill")
     _engine_args(fid)
     fid.set_defaults(func=cmd_bench_fidelity)
+
+    wl = bench.add_parser("workload", help="a RAG request stream replayed against ragcache systems and vLLM",
+                          description="Builds a request stream from a corpus (top-k passages by MiniLM similarity, "
+                                      "Zipf question popularity, some multi-turn conversations) and replays it "
+                                      "against each system; reports TTFT, computed share, hit ratio and CRAFT's "
+                                      "overlap metrics, with TTFT ratios vs vLLM from the same run.")
+    wl.add_argument("--corpus", type=Path, required=True, help="musique_s.json-style records")
+    wl.add_argument("--requests", type=int, default=40)
+    wl.add_argument("--k", type=int, default=4, help="passages retrieved per question")
+    wl.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of question popularity")
+    wl.add_argument("--turns", type=int, default=2, help="turns per conversation (1 = no conversations)")
+    wl.add_argument("--conversation-share", type=float, default=0.25, help="share of draws that start a conversation")
+    wl.add_argument("--question-pool", type=int, default=60, help="questions drawn from (the first N)")
+    wl.add_argument("--seed", type=int, default=0)
+    wl.add_argument("--ratio", type=float, default=0.15, help="cacheblend recompute ratio for fusion systems")
+    wl.add_argument("--max-tokens", type=int, default=8)
+    wl.add_argument("--systems", default=",".join(["full", "prefix", "prefix+reorder", "fusion", "fusion+reorder",
+                                                    "vllm-apc", "vllm-apc+reorder"]))
+    wl.add_argument("--vllm-python", type=Path, default=None,
+                    help="python of the vLLM virtualenv (default: .venv-vllm/bin/python or $RAGCACHE_VLLM_PYTHON)")
+    wl.add_argument("--json", type=Path, default=None)
+    wl.add_argument("--model", default="default")
+    wl.add_argument("--device", default="cpu")
+    wl.add_argument("--dtype", default="bfloat16", help="engine and vLLM dtype (same for both)")
+    wl.set_defaults(func=cmd_bench_workload)
     return parser
 
 

