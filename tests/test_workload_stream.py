@@ -1,0 +1,53 @@
+"""Pieces of the workload benchmark that decide what it reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_sidecar.bench.metrics import exact_match, rouge_l, token_f1
+from engine_sidecar.bench.stream import build_stream, load_corpus, overlap_fractions
+from engine_sidecar.bench.workload import SystemLog, summarize
+
+
+def test_overlap_fractions_separate_prefix_alignment_from_total_overlap():
+    orders = [["a", "b", "c"], ["a", "b", "d"], ["d", "a", "b"]]
+    aligned, total = overlap_fractions(orders)
+    # request 2: "a","b" continue request 1's prefix; request 3 starts with d: no aligned prefix
+    assert aligned == pytest.approx(2 / 9)
+    # request 2: a, b seen; request 3: d, a, b seen
+    assert total == pytest.approx(5 / 9)
+
+
+def test_metrics_on_hand_computed_cases():
+    assert exact_match("The Exeter College.", ["Exeter College"]) == 1.0
+    assert token_f1("exeter college oxford", ["Exeter College"]) == pytest.approx(0.8)
+    assert rouge_l("a b c d", "a c d") == pytest.approx(2 * (3 / 4) * 1.0 / (3 / 4 + 1.0))
+    assert rouge_l("", "") == 1.0 and rouge_l("x", "y") == 0.0
+
+
+def test_summary_fields_match_the_documented_json_shape():
+    log = SystemLog(ttft=[1.0, 3.0], computed=[1.0, 0.5], hits=1, lookups=4, orders=[["a"], ["a"]],
+                    answers=["x", "y"])
+    out = summarize({"full": log})
+    assert set(out["full"]) >= {"ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "computed_fraction", "chunk_hit_ratio",
+                                "prefix_aligned_fraction", "total_overlap_fraction"}
+    assert out["full"]["ttft_mean_s"] == 2.0 and out["full"]["chunk_hit_ratio"] == 0.25
+
+
+def test_stream_is_deterministic_with_zipf_popularity_and_conversations(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGCACHE_HOME", str(tmp_path))
+    records = [{"question": f"question about topic {i}?",
+                "ctxs": [{"title": f"t{i}-{j}", "text": f"passage {j} about topic {i}"} for j in range(3)]}
+               for i in range(8)]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(records))
+    corpus = load_corpus(path)
+    assert len(corpus.passages) == 24
+    one = build_stream(corpus, 30, 2, zipf=1.2, turns=2, conversation_share=0.3, question_pool=8, seed=3)
+    two = build_stream(corpus, 30, 2, zipf=1.2, turns=2, conversation_share=0.3, question_pool=8, seed=3)
+    assert one == two and len(one) == 30
+    assert any(r.conversation_id for r in one) and all(len(r.chunk_ids) == 2 for r in one)
+    counts = {q: sum(1 for r in one if r.question == q and r.turn == 1) for q in corpus.questions}
+    assert counts[corpus.questions[0]] >= counts[corpus.questions[-1]]
