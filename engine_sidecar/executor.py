@@ -93,7 +93,8 @@ def fused_prefill(
     for layer in range(runner.num_layers):
         qkv = runner.qkv(layer, hidden)
         keep = policy.refine(
-            LayerView(layer, active, must_keep, qkv.k, qkv.v, kv.keys_pre[layer, active], kv.values[layer, active])
+            LayerView(layer, active, must_keep, qkv.k, qkv.v, kv.keys_pre[layer, active], kv.values[layer, active],
+                      runner.num_layers)
         )
         if keep is not None and not bool(keep.all()):
             keep = keep.to(device)

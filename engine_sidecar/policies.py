@@ -26,6 +26,7 @@ class LayerView:
     new_values: torch.Tensor
     cached_keys: torch.Tensor  # [A, Hkv, D] cached (meaningless where must_keep)
     cached_values: torch.Tensor
+    num_layers: int = 0
 
 
 def span_masks(plan: FusionPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,15 +117,18 @@ class CacheBlendPolicy(Policy):
         self._fused_total = int(fused.sum())
         return fused | fresh
 
-    def _target_ratio(self, layer: int) -> float | None:
+    def _target_ratio(self, layer: int, num_layers: int) -> float | None:
         if not self.gradual:
             return self.ratio if layer == self.check_layer else None
-        steps = [min(1.0, self.ratio * 3), min(1.0, self.ratio * 2), self.ratio]
+        # 3r, 2r, then r; on shallow models the last step is pulled in so r is always reached
+        last = min(self.check_layer + 2, max(self.check_layer, num_layers - 1))
+        if layer == last:
+            return self.ratio
         offset = layer - self.check_layer
-        return steps[offset] if 0 <= offset < len(steps) else None
+        return min(1.0, self.ratio * (3 - offset)) if 0 <= offset < last - self.check_layer else None
 
     def refine(self, view: LayerView) -> torch.Tensor | None:
-        ratio = self._target_ratio(view.layer)
+        ratio = self._target_ratio(view.layer, view.num_layers)
         if ratio is None or ratio >= 1.0:
             return None
         candidates = ~view.must_keep
@@ -139,8 +143,9 @@ class CacheBlendPolicy(Policy):
 
 
 def parse_policy(spec: str) -> Policy:
-    """'full', 'reuse', 'cacheblend', 'cacheblend:0.3', 'epic:16'."""
+    """'full', 'prefix', 'reuse', 'cacheblend', 'cacheblend:0.3', 'cacheblend:0.3:gradual', 'epic:16'."""
     name, _, arg = spec.partition(":")
+    arg, _, flag = arg.partition(":")
     try:
         if name == "full":
             return FullPolicy()
@@ -149,7 +154,9 @@ def parse_policy(spec: str) -> Policy:
         if name == "reuse":
             return ReusePolicy()
         if name == "cacheblend":
-            return CacheBlendPolicy(float(arg)) if arg else CacheBlendPolicy()
+            if flag not in ("", "gradual"):
+                raise ValueError(f"unknown cacheblend option '{flag}' (only 'gradual')")
+            return CacheBlendPolicy(float(arg) if arg else 0.15, gradual=flag == "gradual")
         if name == "epic":
             return EpicPolicy(int(arg)) if arg else EpicPolicy()
     except ValueError as exc:

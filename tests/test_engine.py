@@ -200,3 +200,24 @@ def test_chunk_kv_entry_sizes(tiny_engine):
     entry = next(v for _, v in tiny_engine.store.ram.items() if isinstance(v, ChunkKV) and v.chunk_id)
     c = tiny_engine.runner.config
     assert entry.keys.shape == (c.num_layers, entry.num_tokens, c.num_kv_heads, c.head_dim)
+
+
+@pytest.mark.parametrize("spec", ["cacheblend:0.3:gradual", "cacheblend:0.15", "epic:4", "prefix", "reuse", "full"])
+def test_policy_specs_parse_and_run(tiny_engine, spec):
+    result = tiny_engine.generate(prompt(), {"max_tokens": 2}, policy=spec)
+    assert result.stats.policy == spec.split(":")[0]
+
+
+@pytest.mark.parametrize("spec", ["cacheblend:2", "cacheblend:x", "epic:-", "nope", "cacheblend:0.2:fast"])
+def test_bad_policy_specs_are_clear_errors(tiny_engine, spec):
+    with pytest.raises(InvalidPromptError):
+        tiny_engine.generate(prompt(), {"max_tokens": 2}, policy=spec)
+
+
+def test_gradual_filtering_shrinks_over_layers(tiny_engine):
+    tiny_engine.warm(PASSAGES)
+    tiny_engine.prefill_logits(prompt(), policy="reuse")  # caches the template prefix for both runs below
+    _, sharp = tiny_engine.prefill_logits(prompt(), policy="cacheblend:0.2")
+    _, gradual = tiny_engine.prefill_logits(prompt(), policy="cacheblend:0.2:gradual")
+    assert gradual.tokens_recomputed == sharp.tokens_recomputed  # same final budget
+    assert gradual.computed_fraction > sharp.computed_fraction  # more tokens on the middle layers
