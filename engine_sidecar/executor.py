@@ -94,7 +94,7 @@ def fused_prefill(
         qkv = runner.qkv(layer, hidden)
         keep = policy.refine(
             LayerView(layer, active, must_keep, qkv.k, qkv.v, kv.keys_pre[layer, active], kv.values[layer, active],
-                      runner.num_layers)
+                      runner.num_layers, qkv.q, lambda x, idx: apply_rope(x, cos[idx], sin[idx]))
         )
         if keep is not None and not bool(keep.all()):
             keep = keep.to(device)

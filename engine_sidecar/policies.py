@@ -9,6 +9,7 @@ come back with. Tokens of `fresh` spans (no cache) and the question are always k
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,8 @@ class LayerView:
     cached_keys: torch.Tensor  # [A, Hkv, D] cached (meaningless where must_keep)
     cached_values: torch.Tensor
     num_layers: int = 0
+    new_queries: torch.Tensor | None = None  # [A, H, D] before RoPE
+    rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (x, global idx) -> rotated
 
 
 def span_masks(plan: FusionPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +145,36 @@ class CacheBlendPolicy(Policy):
         return keep
 
 
+class FocusPolicy(CacheBlendPolicy):
+    """Question-guided selection: at the check layer the tokens that must be computed (question,
+    fresh chunks) attend over the fused tokens' keys; the top-r fused tokens by attention mass
+    received are recomputed on later layers. It spends the budget on what the answer reads,
+    rather than on what changed most."""
+
+    name = "focus"
+
+    def refine(self, view: LayerView) -> torch.Tensor | None:
+        if view.layer != self.check_layer or self.ratio >= 1.0:
+            return None
+        assert view.new_queries is not None and view.rope is not None
+        readers = view.must_keep
+        candidates = ~view.must_keep
+        budget = min(math.ceil(self.ratio * self._fused_total), int(candidates.sum()))
+        keep = view.must_keep.clone()
+        if budget <= 0 or not bool(readers.any()):
+            return keep
+        q = view.rope(view.new_queries[readers], view.active[readers]).float()  # [R, H, D]
+        k = view.rope(view.new_keys, view.active).float()  # [A, Hkv, D]
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        logits = torch.einsum("rhd,ahd->hra", q, k) / math.sqrt(q.shape[-1])
+        visible = view.active[None, :] <= view.active[readers][:, None]
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        mass = probs.mean(dim=(0, 1))
+        mass[~candidates] = -1.0
+        keep[torch.topk(mass, budget).indices] = True
+        return keep
+
+
 def parse_policy(spec: str) -> Policy:
     """'full', 'prefix', 'reuse', 'cacheblend', 'cacheblend:0.3', 'cacheblend:0.3:gradual', 'epic:16'."""
     name, _, arg = spec.partition(":")
@@ -157,8 +190,10 @@ def parse_policy(spec: str) -> Policy:
             if flag not in ("", "gradual"):
                 raise ValueError(f"unknown cacheblend option '{flag}' (only 'gradual')")
             return CacheBlendPolicy(float(arg) if arg else 0.15, gradual=flag == "gradual")
+        if name == "focus":
+            return FocusPolicy(float(arg) if arg else 0.15)
         if name == "epic":
             return EpicPolicy(int(arg)) if arg else EpicPolicy()
     except ValueError as exc:
         raise InvalidPromptError(f"bad argument in policy '{spec}': {exc}") from exc
-    raise InvalidPromptError(f"unknown policy '{spec}': use full, prefix, reuse, cacheblend[:ratio] or epic[:k]")
+    raise InvalidPromptError(f"unknown policy '{spec}': use full, prefix, reuse, cacheblend[:ratio], focus[:ratio] or epic[:k]")

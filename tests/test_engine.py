@@ -35,6 +35,16 @@ def test_cacheblend_ratio_one_reproduces_full(tiny_engine):
     assert (full - blended).abs().max().item() <= 1e-4
 
 
+def test_focus_ratio_one_reproduces_full_and_small_ratio_recomputes_budget(tiny_engine):
+    full, _ = tiny_engine.prefill_logits(prompt(), policy="full")
+    tiny_engine.warm(PASSAGES)
+    focused, _ = tiny_engine.prefill_logits(prompt(), policy="focus:1.0")
+    assert (full - focused).abs().max().item() <= 1e-4
+    _, stats = tiny_engine.prefill_logits(prompt(), policy="focus:0.2")
+    fused = sum(s["positions"][1] - s["positions"][0] for s in stats.plan if s["mode"] == "fuse")
+    assert stats.tokens_recomputed == -(-fused * 2 // 10)  # ceil(0.2 * fused tokens)
+
+
 def test_reuse_differs_from_full_so_the_check_above_can_fail(tiny_engine):
     full, _ = tiny_engine.prefill_logits(prompt(), policy="full")
     tiny_engine.warm(PASSAGES)
@@ -202,7 +212,7 @@ def test_chunk_kv_entry_sizes(tiny_engine):
     assert entry.keys.shape == (c.num_layers, entry.num_tokens, c.num_kv_heads, c.head_dim)
 
 
-@pytest.mark.parametrize("spec", ["cacheblend:0.3:gradual", "cacheblend:0.15", "epic:4", "prefix", "reuse", "full"])
+@pytest.mark.parametrize("spec", ["cacheblend:0.3:gradual", "cacheblend:0.15", "focus:0.2", "epic:4", "prefix", "reuse", "full"])
 def test_policy_specs_parse_and_run(tiny_engine, spec):
     result = tiny_engine.generate(prompt(), {"max_tokens": 2}, policy=spec)
     assert result.stats.policy == spec.split(":")[0]
