@@ -28,6 +28,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="inline: compute a missed chunk's KV before the request; background: compute the "
                         "request fresh and cache the chunk afterwards")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-prefix-tree", action="store_true",
+                   help="turn off CP-Tree exact chunk-prefix reuse (fusion only)")
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -36,7 +38,7 @@ def engine_from_args(args: argparse.Namespace):
     return Engine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, disk=not args.no_disk,
         ram_cache_bytes=int(args.ram_cache_gb * (1 << 30)), convention=args.convention,
-        precompute=args.precompute, threads=args.threads,
+        precompute=args.precompute, threads=args.threads, prefix_tree=not getattr(args, "no_prefix_tree", False),
     )
 
 

@@ -79,9 +79,10 @@ class CPTree:
                 parent.children[chunk_digest] = child
             return child
 
-    def should_promote(self, counts: Sequence[int]) -> bool:
+    def should_promote(self, counts: Sequence[int], threshold: int | None = None) -> bool:
         """A path [C1..Cd] is promoted once every chunk on it reached the threshold."""
-        return bool(counts) and all(c >= self.promote_threshold for c in counts)
+        limit = self.promote_threshold if threshold is None else threshold
+        return bool(counts) and all(c >= limit for c in counts)
 
     def remove(self, node: CPNode) -> None:
         with self._lock:

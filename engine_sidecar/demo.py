@@ -30,10 +30,10 @@ def run_demo(args: argparse.Namespace) -> int:
         console.print(f"model {engine.model_dir.name}, {engine.runner.device.type}, {str(engine.runner.dtype)[6:]}")
         engine.clear_cache()
         for turn, question in enumerate(questions, 1):
-            order = passages if turn % 2 else list(reversed(passages))  # reordered chunks still hit
+            order = passages if turn % 2 else list(reversed(passages))  # retrievers reorder; fusion still hits
             prompt = ChunkedPrompt(question=question, chunks=order)
             sampling = SamplingParams(max_tokens=args.max_tokens)
-            baseline = engine.generate(prompt, SamplingParams(max_tokens=1), policy="full").stats.ttft_s
+            baseline = engine.measure_full_prefill(prompt)
             result = engine.generate(prompt, sampling, policy=args.policy)
             s = result.stats
             console.print(f"\n[bold]Q{turn}[/bold] {question}\n[green]A{turn}[/green] {result.text.strip()}")

@@ -61,6 +61,7 @@ class EngineConfig:
     ca_window: int = 1000  # CA-Table sliding window, in requests
     prefix_tree: bool = True  # CP-Tree exact chunk-prefix reuse
     promote_threshold: int = 2  # CA-Table count every chunk of a path needs before it is stored
+    fusion_promote_threshold: int = 4  # the same when storing costs a full compute (fusion policies)
     conversation_dedup: bool = True  # drop chunks a conversation already holds from its next turn
     conversation_ttl_s: float = 900.0
     conversation_max_tokens: int = 6144
@@ -249,6 +250,16 @@ class Engine:
             self._learn(planned, result, tenant)
         assert result.logits is not None
         return result.logits, self._stats(planned, result, time.perf_counter() - t0, pol, {})
+
+    def measure_full_prefill(self, prompt: ChunkedPrompt | dict) -> float:
+        """Seconds an ordinary full prefill of this prompt takes now, without touching the cache,
+        the CA-Table or conversations: the baseline a reuse figure is compared with."""
+        prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
+        ids = tuple(self.builder.build(prompt).token_ids)
+        with self._lock:
+            start = time.perf_counter()
+            fused_prefill(self.runner, FusionPlan([PlanSpan("question", 0, ids, "fresh")], "full"), parse_policy("full"))
+            return time.perf_counter() - start
 
     def stream_chat(self, messages: list[dict[str, str]], sampling: SamplingParams | dict | None = None,
                     tenant: str = "") -> GenerationStream:

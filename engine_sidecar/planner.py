@@ -113,7 +113,11 @@ class Planner:
                         pos = span.end
                         continue
                     extending = False  # evicted between match and lookup: fall back below
-                if extending and parent is not None and self._promotable(chunk_segs[: i + 1]):
+                # Under exact-reuse policies the chunk is computed with full attention anyway, so
+                # making it a node is free; under fusion it costs a full compute of the chunk, so
+                # it waits for a higher access count.
+                threshold = engine.config.fusion_promote_threshold if policy.fuses else engine.config.promote_threshold
+                if extending and parent is not None and self._promotable(chunk_segs[: i + 1], threshold):
                     # computed with full attention after exact KV: exact, so it becomes a node
                     node = engine.cptree.insert(parent, digests[i], seg.chunk_id)
                     out.new_nodes.append((len(out.plan.spans), node))
@@ -132,9 +136,9 @@ class Planner:
             out.plan.spans.append(span)
             pos = span.end
 
-    def _promotable(self, segs: list[Segment]) -> bool:
+    def _promotable(self, segs: list[Segment], threshold: int) -> bool:
         counts = [self.engine.access_table.count(s.chunk_id or "") for s in segs]
-        return self.engine.cptree.should_promote(counts)
+        return self.engine.cptree.should_promote(counts, threshold)
 
     def _fuse_or_miss(self, out: PlannedRequest, span: PlanSpan, seg: Segment, prefix: Segment, tenant: str,
                       chunks_by_id: dict[str | None, Chunk]) -> None:

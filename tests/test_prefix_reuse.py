@@ -18,7 +18,7 @@ PASSAGES = [
 @pytest.fixture
 def engine(tiny_llama_dir, tmp_path):
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
-                                prefix_tree=True, promote_threshold=2) as eng:
+                                prefix_tree=True, promote_threshold=2, fusion_promote_threshold=2) as eng:
         yield eng
 
 
@@ -51,6 +51,13 @@ def test_fusion_policy_extends_the_path_one_chunk_per_request(engine):
         seen.append(modes(engine.generate(ask(chunks), {"max_tokens": 1}).stats))
     assert seen == [["fresh", "fuse", "fuse"], ["exact", "fresh", "fuse"], ["exact", "exact", "fresh"]]
     assert modes(engine.generate(ask(chunks), {"max_tokens": 1}).stats) == ["exact"] * 3
+
+
+def test_fusion_waits_for_a_higher_count_before_paying_for_a_node(tiny_llama_dir, tmp_path):
+    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
+                                promote_threshold=2, fusion_promote_threshold=3) as eng:
+        seen = [modes(eng.generate(ask(PASSAGES[:2]), {"max_tokens": 1}).stats) for _ in range(3)]
+    assert seen == [["fuse", "fuse"], ["fuse", "fuse"], ["fresh", "fuse"]]
 
 
 def test_evicted_path_kv_is_never_used(engine):

@@ -57,6 +57,9 @@ def run_fidelity(args: argparse.Namespace) -> int:
     if "full" not in policies:
         policies.insert(0, "full")
     sampling = SamplingParams(max_tokens=args.max_tokens)
+    # Each question is asked once per policy: a CP-Tree would turn later policies' chunks into
+    # exact prefix hits and blur what each fusion policy does on its own.
+    args.no_prefix_tree = True
     rows: list[dict[str, Any]] = []
     with engine_from_args(args) as engine:
         hf_model = None
