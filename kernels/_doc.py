@@ -1,0 +1,1 @@
+"""Torch reference kernels (Triton versions used on CUDA)."""
