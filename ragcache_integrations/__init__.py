@@ -10,4 +10,14 @@ from ragcache_integrations.types import (
     normalize_text,
 )
 
-__all__ = ["Chunk", "ChunkedPrompt", "GenerationResult", "GenerationStats", "SamplingParams", "chunk_id_for", "normalize_text"]
+
+def __getattr__(name: str):
+    # the HTTP clients import httpx only when asked for
+    if name in ("RagCacheClient", "AsyncRagCacheClient"):
+        from ragcache_integrations import client
+
+        return getattr(client, name)
+    raise AttributeError(name)
+
+
+__all__ = ["RagCacheClient", "AsyncRagCacheClient", "Chunk", "ChunkedPrompt", "GenerationResult", "GenerationStats", "SamplingParams", "chunk_id_for", "normalize_text"]
