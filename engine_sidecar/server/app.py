@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Header, Request
@@ -120,12 +121,17 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
         async def rest() -> AsyncIterator[str | GenerationResult]:
             deadline = time.monotonic() + settings.request_timeout_s
-            yield first
-            async for event in events:
-                if time.monotonic() > deadline:
-                    cancelled.set()
-                    break
-                yield event
+            try:
+                yield first
+                async for event in events:
+                    if time.monotonic() > deadline:
+                        break
+                    yield event
+            finally:
+                # runs when the client disconnects too: stop the engine at the next token now,
+                # not whenever the garbage collector finalizes the generator
+                cancelled.set()
+                await events.aclose()
 
         return rest()
 
@@ -152,7 +158,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/generate", response_model=GenerateResponse)
-    async def generate(body: GenerateRequest, authorization: str | None = Header(default=None),
+    async def generate(body: GenerateRequest, request: Request, authorization: str | None = Header(default=None),
                        x_ragcache_tenant: str | None = Header(default=None)):
         authorize(authorization)
         tenant = tenant_of(body.tenant, x_ragcache_tenant)
@@ -165,7 +171,14 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             return GenerateResponse(**result.model_dump(), usage=_usage(result))
 
         async def sse() -> AsyncIterator[str]:
+            async with aclosing(events):
+                async for event in _sse_events(events):
+                    yield event
+
+        async def _sse_events(events) -> AsyncIterator[str]:
             async for event in events:
+                if await request.is_disconnected():
+                    break  # closing `events` stops the engine at its next token
                 if isinstance(event, GenerationResult):
                     metrics.finished("generate", event)
                     payload = {"type": "done", **GenerateResponse(**event.model_dump(), usage=_usage(event)).model_dump()}
@@ -176,7 +189,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, authorization: str | None = Header(default=None),
+    async def chat_completions(body: ChatCompletionRequest, request: Request, authorization: str | None = Header(default=None),
                                x_ragcache_tenant: str | None = Header(default=None)):
         authorize(authorization)
         tenant = tenant_of(body.tenant, x_ragcache_tenant)
@@ -215,8 +228,15 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             return f"data: {json.dumps(payload)}\n\n"
 
         async def sse() -> AsyncIterator[str]:
+            async with aclosing(events):
+                async for piece in _chat_pieces():
+                    yield piece
+
+        async def _chat_pieces() -> AsyncIterator[str]:
             yield chunk({"role": "assistant", "content": ""})
             async for event in events:
+                if await request.is_disconnected():
+                    break
                 if isinstance(event, GenerationResult):
                     metrics.finished("chat", event)
                     yield chunk({}, event.finish_reason, ragcache=event.stats.model_dump())

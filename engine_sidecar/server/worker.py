@@ -57,9 +57,16 @@ class EngineWorker:
             except BaseException as exc:  # handed to the request task, which maps it to an HTTP error
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
             finally:
+                # the engine slot is free as soon as the engine is done, whatever the HTTP side
+                # is doing (a send to a vanished client can stay pending)
+                self._leave()
                 loop.call_soon_threadsafe(queue.put_nowait, _DONE)
 
-        future = loop.run_in_executor(self._pool, produce)
+        try:
+            future = loop.run_in_executor(self._pool, produce)
+        except RuntimeError:
+            self._leave()
+            raise
         try:
             while True:
                 item = await queue.get()
@@ -71,7 +78,6 @@ class EngineWorker:
         finally:
             cancelled.set()
             await asyncio.shield(future)
-            self._leave()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
