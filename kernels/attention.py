@@ -45,3 +45,49 @@ def selective_attention(
         mask = position_mask(query_pos, key_pos, sliding_window)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)
+
+
+def segment_ids_from_boundaries(boundaries: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Segment id per key from sorted segment start offsets (into the key axis).
+
+    boundaries[s] is the first key of segment s; keys before boundaries[0] get -1 (not counted in
+    any segment's mass, e.g. a system prefix one does not care about).
+    """
+    keys = torch.arange(num_keys, device=boundaries.device)
+    return torch.searchsorted(boundaries.to(torch.int64), keys, right=True) - 1
+
+
+def selective_attention_with_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    segment_ids: torch.Tensor,
+    num_segments: int,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for attention plus per-segment attention mass.
+
+    Returns (out [Tq, H, D] in q's dtype, mass [Tq, num_segments] fp32) where mass[i, s] is the
+    softmax probability query i puts on keys of segment s, averaged over query heads. Keys whose
+    segment id is outside [0, num_segments) count in the softmax but in no segment. Scores are
+    materialised in fp32, so this is for checking and for CPU-sized inputs, not for speed.
+    """
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    group = heads // kv_heads
+    qf = q.float().transpose(0, 1)  # [H, Tq, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale
+    visible = position_mask(query_pos, key_pos, sliding_window)
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vf).transpose(0, 1).to(q.dtype)
+    counted = (segment_ids >= 0) & (segment_ids < num_segments)
+    per_key = probs.mean(0)[:, counted]  # [Tq, counted keys]
+    mass = torch.zeros(q.shape[0], num_segments, dtype=torch.float32, device=q.device)
+    mass.index_add_(1, segment_ids[counted].to(torch.int64), per_key)
+    return out, mass

@@ -72,3 +72,38 @@ def apply_rope(
         sin = sin[..., :half].repeat_interleave(2, dim=-1)
         return x * cos + _rotate_interleaved(x) * sin
     return x * cos + _rotate_half(x) * sin
+
+
+def span_positions(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Target positions for chunks laid end to end in one buffer: chunk c gets starts[c] + 0..len-1.
+
+    Lets many chunks be re-rotated in one call (one position per stored token), whatever gaps or
+    order the target layout has.
+    """
+    lengths = lengths.to(torch.int64)
+    total = int(lengths.sum())
+    chunk_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    first_token = torch.cumsum(lengths, 0) - lengths
+    offset_in_chunk = torch.arange(total, device=lengths.device) - first_token[chunk_of_token]
+    return starts.to(torch.int64)[chunk_of_token] + offset_in_chunk
+
+
+def rotate_keys(
+    keys_pre: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    interleaved: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference re-rotation: pre-RoPE keys [T, heads, head_dim] placed at `positions` [T].
+
+    Exactly `apply_rope(keys_pre, *cos_sin(positions, inv_freq))`, so it is what the engine has
+    always computed; the Triton kernel is checked against this. `out` (any [T, heads, head_dim]
+    view, e.g. a slice of the assembled KV buffer) receives the result when given.
+    """
+    cos, sin = cos_sin(positions, inv_freq)
+    rotated = apply_rope(keys_pre, cos, sin, interleaved=interleaved)
+    if out is None:
+        return rotated
+    out.copy_(rotated)
+    return out

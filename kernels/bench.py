@@ -1,0 +1,221 @@
+"""Microbenchmark: Triton kernels vs the torch reference (and PyTorch SDPA), in tokens per second.
+
+    python -m ragcache_kernels.bench                       # SmolLM2 shapes, 2,048 keys
+    python -m ragcache_kernels.bench --model llama8b --tokens 8192 --ratio 0.15
+
+On CUDA with triton installed every op is timed on both backends. Elsewhere only the torch
+reference path is timed (the Triton interpreter exists for correctness, its speed means
+nothing), and the output says so. Results print as a table and are written as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ragcache_kernels import dispatch
+from ragcache_kernels.attention import segment_ids_from_boundaries
+from ragcache_kernels.rope import inv_frequencies
+
+# (query heads, kv heads, head_dim, rope theta)
+MODELS: dict[str, tuple[int, int, int, float]] = {
+    "smollm2": (9, 3, 64, 1e5),  # the default model of this project
+    "llama8b": (32, 8, 128, 5e5),  # a typical GQA-8 production shape
+}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Row:
+    op: str
+    impl: str
+    shape: str
+    tokens: int  # tokens processed per call (queries for attention)
+    ms: float  # median over repeats
+    tokens_per_s: float
+    speedup_vs_reference: float | None = None
+
+
+def _timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median wall time in ms; synchronises CUDA so the kernel, not its launch, is measured."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype]
+    heads, kv_heads, head_dim, theta = MODELS[args.model]
+    num_keys = args.tokens
+    num_queries = max(1, round(args.ratio * num_keys))
+    gen = torch.Generator().manual_seed(0)
+    kernels_timed = device.type == "cuda" and dispatch.triton_available()
+    impls = ["torch", "triton"] if kernels_timed else ["torch"]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    key_pos = torch.arange(num_keys, device=device)
+    # Recompute-style queries: a scattered subset of the prompt's tokens, in position order.
+    query_idx = torch.randperm(num_keys, generator=gen)[:num_queries].sort().values.to(device)
+    query_pos = key_pos[query_idx]
+    q, k, v = (
+        rand(num_queries, heads, head_dim),
+        rand(num_keys, kv_heads, head_dim),
+        rand(num_keys, kv_heads, head_dim),
+    )
+    chunk = max(1, num_keys // args.chunks)
+    segments = segment_ids_from_boundaries(torch.arange(0, num_keys, chunk, device=device), num_keys)
+    num_segments = int(segments.max()) + 1
+    inv_freq = inv_frequencies(head_dim, theta).to(device)
+    k_new = k + 0.1 * rand(num_keys, kv_heads, head_dim)
+    buffer = torch.zeros(num_keys, kv_heads, head_dim, device=device, dtype=dtype)
+    recomputed = k[:num_queries]
+    attn = f"q={num_queries} k={num_keys} h={heads}/{kv_heads} d={head_dim}"
+    kv_shape = f"t={num_keys} h={kv_heads} d={head_dim}"
+
+    ops: list[tuple[str, str, int, Callable[[str], Callable[[], object]]]] = [
+        (
+            "rope_rotate",
+            kv_shape,
+            num_keys,
+            lambda b: lambda: dispatch.rotate_keys(k, key_pos, inv_freq, backend=b),
+        ),
+        (
+            "selective_attention",
+            attn,
+            num_queries,
+            lambda b: lambda: dispatch.selective_attention(q, k, v, query_pos, key_pos, backend=b),
+        ),
+        (
+            "attention_with_mass",
+            attn + f" segs={num_segments}",
+            num_queries,
+            lambda b: (
+                lambda: dispatch.selective_attention_with_mass(
+                    q, k, v, query_pos, key_pos, segments, num_segments, backend=b
+                )
+            ),
+        ),
+        (
+            "kv_deviation_topk",
+            kv_shape,
+            num_keys,
+            lambda b: lambda: dispatch.kv_deviation_topk(k_new, k, k_new, k, num_queries, backend=b),
+        ),
+        (
+            "scatter_rows",
+            f"rows={num_queries} into {num_keys}",
+            num_queries,
+            lambda b: lambda: dispatch.scatter_rows(buffer, query_idx, recomputed, backend=b),
+        ),
+    ]
+    rows: list[Row] = []
+    for op, shape, tokens, make in ops:
+        reference_ms = None
+        for impl in impls:
+            ms = _timed(make(impl), device, args.warmup, args.repeats)
+            reference_ms = ms if impl == "torch" else reference_ms
+            speedup = reference_ms / ms if reference_ms else None
+            rows.append(Row(op, impl, shape, tokens, ms, tokens / (ms / 1e3), speedup))
+
+    # Peers for attention: what one would do without a position-aware kernel.
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    gqa = heads != kv_heads
+    full_q = rand(num_keys, heads, head_dim).transpose(0, 1)[None]
+    peers: list[tuple[str, str, int, Callable[[], object]]] = [
+        (
+            "sdpa_dense_causal_all_tokens",
+            f"q={num_keys} k={num_keys}",
+            num_keys,
+            lambda: F.scaled_dot_product_attention(full_q, kh, vh, is_causal=True, enable_gqa=gqa),
+        ),
+        (
+            "sdpa_no_mask_subset",
+            attn,
+            num_queries,
+            lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=gqa),
+        ),
+    ]
+    reference_attention = next(r.ms for r in rows if r.op == "selective_attention" and r.impl == "torch")
+    for name, shape, tokens, fn in peers:
+        ms = _timed(fn, device, args.warmup, args.repeats)
+        rows.append(
+            Row("selective_attention", name, shape, tokens, ms, tokens / (ms / 1e3), reference_attention / ms)
+        )
+
+    if kernels_timed:
+        note = "CUDA: Triton kernels and torch reference both timed"
+    else:
+        note = (
+            f"{device.type}: only the torch reference path is timed (Triton needs CUDA; its CPU "
+            "interpreter is for correctness tests, not speed)"
+        )
+    return {
+        "note": note,
+        "kernels_timed": kernels_timed,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "triton_available": dispatch.triton_available(),
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "results": [asdict(r) for r in rows],
+    }
+
+
+def print_table(report: dict[str, object]) -> None:
+    print(f"# {report['note']}")
+    print(f"# device={report['device']} torch={report['torch']} threads={report['torch_threads']}")
+    header = f"{'op':<22} {'impl':<30} {'shape':<34} {'ms':>9} {'tokens/s':>12} {'vs ref':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in report["results"]:  # type: ignore[union-attr]
+        speed = f"{r['speedup_vs_reference']:.2f}x" if r["speedup_vs_reference"] else "-"
+        print(
+            f"{r['op']:<22} {r['impl']:<30} {r['shape']:<34} {r['ms']:>9.3f} {r['tokens_per_s']:>12,.0f} {speed:>7}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument("--tokens", type=int, default=2048, help="keys in the assembled KV (prompt length)")
+    parser.add_argument("--ratio", type=float, default=0.15, help="share of tokens recomputed (queries)")
+    parser.add_argument("--chunks", type=int, default=8, help="segments for the attention-mass op")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("bench-results/kernels.json"))
+    args = parser.parse_args(argv)
+    report = run(args)
+    print_table(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"# wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

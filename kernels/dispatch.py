@@ -1,0 +1,192 @@
+"""One entry point per kernel op: Triton on CUDA when it imports, the torch reference elsewhere.
+
+Backend choice, first match wins:
+1. the `backend=` argument of the call ("triton", "torch" or "auto"),
+2. the environment variable RAGCACHE_KERNELS (same values; read on every call so tests and
+   benchmarks can flip it),
+3. "auto": Triton iff the tensors are on CUDA and `import triton` works.
+
+Forcing "triton" raises instead of silently falling back, so a benchmark or test that asked for
+the kernel never measures the reference by mistake; on CPU it needs TRITON_INTERPRET=1 (the
+interpreter, for tests). "auto" also falls back to torch where the kernel has a limit (too many
+segments for the mass tiles) or where torch already has a better path (dense causal prefill,
+which PyTorch's flash SDPA handles).
+
+Triton modules are imported lazily: importing this module never imports triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Literal
+
+import torch
+
+from ragcache_kernels import attention as _attention
+from ragcache_kernels import kv as _kv
+from ragcache_kernels import rope as _rope
+from ragcache_kernels._triton_common import MAX_MASS_SEGMENTS, rows_are_dense
+
+Backend = Literal["triton", "torch"]
+ENV_VAR = "RAGCACHE_KERNELS"
+_CHOICES = ("triton", "torch", "auto")
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install (e.g. missing compiler bits) counts as absent
+        return False
+    return True
+
+
+def _requested(backend: str | None) -> str:
+    choice = (backend or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    if choice not in _CHOICES:
+        raise ValueError(f"kernel backend must be one of {_CHOICES}, got {choice!r}")
+    return choice
+
+
+def resolve_backend(device: torch.device | str, backend: str | None = None) -> Backend:
+    """The backend a call on tensors of `device` would use (raises if a forced one cannot run)."""
+    choice = _requested(backend)
+    device = torch.device(device)
+    if choice == "torch":
+        return "torch"
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if not triton_available():
+        raise RuntimeError(f"{ENV_VAR}/backend forces triton but `import triton` fails (pip install triton)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"triton forced on {device.type} tensors: set TRITON_INTERPRET=1 (tests only) or use CUDA"
+        )
+    return "triton"
+
+
+def rotate_keys(
+    keys_pre: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    interleaved: bool = False,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Pre-RoPE keys [T, heads, head_dim] rotated to global `positions` [T]; see rope.rotate_keys.
+
+    Many chunks at once: concatenate their stored keys and pass one position per token
+    (`rope.span_positions(starts, lengths)` builds them). Scaled RoPE (linear, llama3) is already
+    folded into `inv_freq` by `rope.inv_frequencies`.
+    """
+    if resolve_backend(keys_pre.device, backend) == "triton":
+        from ragcache_kernels import triton_rope
+
+        return triton_rope.rotate_keys(keys_pre, positions, inv_freq, interleaved, out)
+    return _rope.rotate_keys(keys_pre, positions, inv_freq, interleaved, out)
+
+
+def selective_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    sliding_window: int | None = None,
+    dense_causal: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Attention of queries at arbitrary positions over all keys with key_pos <= query_pos.
+
+    Same contract as attention.selective_attention (q [Tq, H, D], k/v [Tk, Hkv, D] -> [Tq, H, D]).
+    A query that sees no key returns NaN on the torch path and zeros on the Triton path.
+    """
+    choice = _requested(backend)
+    if choice == "auto" and dense_causal:
+        choice = "torch"
+    if resolve_backend(q.device, choice) == "triton":
+        from ragcache_kernels import triton_attention
+
+        return triton_attention.selective_attention(q, k, v, query_pos, key_pos, sliding_window)[0]
+    return _attention.selective_attention(q, k, v, query_pos, key_pos, sliding_window, dense_causal)
+
+
+def selective_attention_with_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    segment_ids: torch.Tensor,
+    num_segments: int,
+    sliding_window: int | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [Tq, H, D], mass [Tq, num_segments] fp32): attention plus head-averaged mass per segment.
+
+    segment_ids [Tk] gives each key's segment (e.g. its chunk; `attention.segment_ids_from_boundaries`
+    builds it from chunk starts); ids outside [0, num_segments) are in no segment.
+    """
+    choice = _requested(backend)
+    if choice == "auto" and num_segments > MAX_MASS_SEGMENTS:
+        choice = "torch"
+    if resolve_backend(q.device, choice) == "triton":
+        from ragcache_kernels import triton_attention
+
+        out, mass = triton_attention.selective_attention(
+            q, k, v, query_pos, key_pos, sliding_window, segment_ids=segment_ids, num_segments=num_segments
+        )
+        assert mass is not None
+        return out, mass
+    return _attention.selective_attention_with_mass(
+        q, k, v, query_pos, key_pos, segment_ids, num_segments, sliding_window
+    )
+
+
+def kv_deviation(
+    new: torch.Tensor,
+    cached: torch.Tensor,
+    cached_index: torch.Tensor | None = None,
+    accumulate: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Per-token deviation [T] fp32: sum over heads of the L2 norm over head_dim of new - cached."""
+    if resolve_backend(new.device, backend) == "triton":
+        from ragcache_kernels import triton_kv
+
+        return triton_kv.kv_deviation(new, cached, cached_index, accumulate)
+    return _kv.kv_deviation(new, cached, cached_index, accumulate)
+
+
+def kv_deviation_topk(
+    k_new: torch.Tensor,
+    k_cached: torch.Tensor,
+    v_new: torch.Tensor | None,
+    v_cached: torch.Tensor | None,
+    k: int,
+    cached_index: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CacheBlend's check-layer pick: (top-k token indices in ascending order, deviation [T]).
+
+    Deviation is the K deviation plus, when v tensors are given, the V deviation.
+    """
+    deviation = kv_deviation(k_new, k_cached, cached_index, backend=backend)
+    if v_new is not None and v_cached is not None:
+        deviation = kv_deviation(v_new, v_cached, cached_index, accumulate=deviation, backend=backend)
+    return _kv.topk_tokens(deviation, k), deviation
+
+
+def scatter_rows(
+    dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, backend: str | None = None
+) -> torch.Tensor:
+    """dst[index[i]] = src[i] in place along dim 0 (index_copy semantics; unique indices)."""
+    choice = _requested(backend)
+    if choice == "auto" and not rows_are_dense(dst):
+        choice = "torch"
+    if resolve_backend(dst.device, choice) == "triton":
+        from ragcache_kernels import triton_kv
+
+        return triton_kv.scatter_rows(dst, index, src)
+    return _kv.scatter_rows(dst, index, src)

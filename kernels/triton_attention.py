@@ -1,0 +1,229 @@
+"""Triton selective attention: scattered queries at global positions over the whole assembled KV.
+
+Flash-style: one program owns BLOCK_M queries of one head and streams key blocks through an
+online softmax (running max and normaliser in fp32, exp2 domain). Visibility is by position,
+key_pos <= query_pos (and key_pos > query_pos - window), never by index, because the queries are
+an arbitrary subset of tokens. Key blocks no query of the block may see are skipped before any
+load, which is where a causal-by-position mask saves half the work over a dense masked SDPA.
+
+Optionally the same pass accumulates per-segment attention mass (Cache-Craft's inter/intra
+attention): unnormalised probabilities are summed per key segment with a one-hot matmul and
+rescaled with the output accumulator, then divided by the final normaliser.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ragcache_kernels._triton_common import MAX_MASS_SEGMENTS, check_device, dot_in_fp32, interpreting
+
+LOG2E = 1.4426950408889634
+# Sentinel position beyond any real one (positions are int64).
+_FAR = tl.constexpr(1 << 62)
+
+
+@triton.jit
+def _selective_attention_kernel(
+    Q,
+    K,
+    V,
+    OUT,
+    QPOS,
+    KPOS,
+    SEG,
+    MASS,
+    num_queries,
+    num_keys,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_mt,
+    stride_mh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    WITH_MASS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < num_queries
+    d_ok = offs_d < HEAD_DIM
+
+    qpos = tl.load(QPOS + offs_m, mask=m_ok, other=0)
+    q_ptrs = Q + offs_m.to(tl.int64)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    # Bounds of what this block of queries may see, to skip whole key blocks.
+    q_hi = tl.max(tl.where(m_ok, qpos, -_FAR), axis=0)
+    q_lo = tl.min(tl.where(m_ok, qpos, _FAR), axis=0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    seg_acc = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
+    seg_cols = tl.arange(0, BLOCK_S)
+
+    for start in range(0, num_keys, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < num_keys
+        kpos = tl.load(KPOS + offs_n, mask=n_ok, other=0)
+        k_lo = tl.min(tl.where(n_ok, kpos, _FAR), axis=0)
+        useful = k_lo <= q_hi
+        if HAS_WINDOW:
+            k_hi = tl.max(tl.where(n_ok, kpos, -_FAR), axis=0)
+            useful = useful & (k_hi > q_lo - window)
+        if useful:
+            k_ptrs = K + offs_n.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+
+            visible = (kpos[None, :] <= qpos[:, None]) & n_ok[None, :]
+            if HAS_WINDOW:
+                visible = visible & (kpos[None, :] > qpos[:, None] - window)
+            scores = tl.where(visible, scores, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
+            # exp2(-inf - -inf) = NaN out of alpha and p.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+
+            v_ptrs = V + offs_n.to(tl.int64)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            if WITH_MASS:
+                seg = tl.load(SEG + offs_n, mask=n_ok, other=-1)
+                one_hot = (seg[:, None] == seg_cols[None, :]).to(tl.float32)
+                # Mass is a statistic people threshold on: keep it in exact fp32, not tf32.
+                seg_acc = seg_acc * alpha[:, None] + tl.dot(p, one_hot, input_precision="ieee")
+            m_i = m_new
+
+    # Rows that saw no key at all get zeros (the torch reference gives NaN there).
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    if WITH_MASS:
+        mass_ptrs = MASS + offs_m.to(tl.int64)[:, None] * stride_mt + head * stride_mh + seg_cols[None, :]
+        tl.store(mass_ptrs, seg_acc / l_safe[:, None], mask=m_ok[:, None])
+
+
+def _default_blocks(head_dim: int) -> tuple[int, int]:
+    if interpreting():
+        # Small tiles: the interpreter's cost grows with tile area, and tests want many blocks.
+        return 16, 16
+    return 64, (64 if head_dim <= 64 else 32)
+
+
+def selective_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+    segment_ids: torch.Tensor | None = None,
+    num_segments: int = 0,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q [Tq, H, D], k/v [Tk, Hkv, D] -> (out [Tq, H, D], mass [Tq, num_segments] fp32 or None).
+
+    Mass is returned when `segment_ids` ([Tk] ints; ids outside [0, num_segments) belong to no
+    segment) is given. Inputs may be fp32, fp16 or bf16; scores, softmax and accumulation are fp32.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError("expected q [Tq, H, D] and k, v [Tk, Hkv, D]")
+    num_queries, heads, head_dim = q.shape
+    num_keys, kv_heads, _ = k.shape
+    if heads % kv_heads or k.shape[2] != head_dim:
+        raise ValueError(f"bad GQA shapes: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError("q, k and v must share a dtype")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    check_device(q, k, v)
+    with_mass = segment_ids is not None
+    if with_mass and not 0 < num_segments <= MAX_MASS_SEGMENTS:
+        raise ValueError(f"num_segments must be in 1..{MAX_MASS_SEGMENTS} for the Triton kernel")
+
+    out = torch.empty(num_queries, heads, head_dim, dtype=q.dtype, device=q.device)
+    block_s = max(16, triton.next_power_of_2(num_segments)) if with_mass else 16
+    if with_mass:
+        # Per-head mass, averaged on the host: deterministic, unlike atomics across heads.
+        mass_heads = torch.zeros(num_queries, heads, block_s, dtype=torch.float32, device=q.device)
+        seg = segment_ids.to(device=q.device, dtype=torch.int32).contiguous()
+    else:
+        mass_heads = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
+        seg = torch.empty(1, dtype=torch.int32, device=q.device)
+    if num_queries == 0:
+        return out, (mass_heads[:, :, :num_segments].mean(1) if with_mass else None)
+
+    default_m, default_n = _default_blocks(head_dim)
+    block_m, block_n = block_m or default_m, block_n or default_n
+    scale = head_dim**-0.5 if scale is None else scale
+    grid = (triton.cdiv(num_queries, block_m), heads)
+    _selective_attention_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        query_pos.to(device=q.device, dtype=torch.int64).contiguous(),
+        key_pos.to(device=q.device, dtype=torch.int64).contiguous(),
+        seg,
+        mass_heads,
+        num_queries,
+        num_keys,
+        scale * LOG2E,
+        int(sliding_window or 0),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        mass_heads.stride(0),
+        mass_heads.stride(1),
+        GROUP=heads // kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_S=block_s,
+        HAS_WINDOW=sliding_window is not None,
+        WITH_MASS=with_mass,
+        DOT_FP32=dot_in_fp32(q.dtype),
+        # fp32 inputs would otherwise run tf32 dots on GPU (10-bit mantissa) and miss the reference.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    mass = mass_heads[:, :, :num_segments].mean(1) if with_mass else None
+    return out, mass
