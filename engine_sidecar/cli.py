@@ -108,23 +108,9 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from engine_sidecar.server.serve import serve
 
-    from engine_sidecar.server import ServerSettings, create_app
-
-    engine = engine_from_args(args)
-    settings = ServerSettings(api_key=args.api_key or os.environ.get("RAGCACHE_API_KEY"), max_queue=args.max_queue,
-                              max_chunks=args.max_chunks, max_chunk_chars=args.max_chunk_chars,
-                              request_timeout_s=args.request_timeout, model_name=engine.model_dir.name)
-    disk = f"disk {engine.store.disk.directory}" if engine.store.disk else "disk off"
-    print(f"ragcache serving on http://{args.host}:{args.port} | model {engine.model_dir} | "
-          f"{engine.runner.device.type} {str(engine.runner.dtype).removeprefix('torch.')} | tiers: RAM "
-          f"{engine.store.ram.capacity_bytes / (1 << 30):.1f} GiB, {disk} | auth "
-          f"{'on' if settings.api_key else 'off'}", flush=True)
-    # uvicorn handles SIGTERM: stops accepting, lets in-flight requests finish, then the app's
-    # shutdown hook closes the engine (flushing the disk tier).
-    uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    return serve(args, engine_from_args)
 
 
 def cmd_bench_workload(args: argparse.Namespace) -> int:
@@ -183,14 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the sidecar HTTP service (native + OpenAI-compatible API)",
                            description="Serve the engine over HTTP: /v1/generate, /v1/chat/completions, "
                                        "/v1/chunks/warm, /v1/cache/stats, DELETE /v1/cache, /health, /metrics.")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8808)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or $RAGCACHE_API_KEY)")
-    serve.add_argument("--max-queue", type=int, default=16, help="queued+running requests before 429")
-    serve.add_argument("--max-chunks", type=int, default=64, help="chunks per request")
-    serve.add_argument("--max-chunk-chars", type=int, default=32000, help="characters per chunk")
-    serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    serve.add_argument("--log-level", default="warning")
+    from engine_sidecar.server.serve import add_serve_arguments  # argparse only: no fastapi import
+
+    add_serve_arguments(serve)
     _engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -1,10 +1,14 @@
-"""HTTP request/response models shared by the sidecar server and the client (no fastapi here)."""
+"""HTTP request/response models shared by the sidecar server and its clients.
+
+The chunk, prompt, sampling and result models come from `types.py` unchanged; this module only
+wraps them into request/response bodies. No fastapi here, so a client never pulls in the server.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ragcache_integrations.types import (
     Chunk,
@@ -15,50 +19,140 @@ from ragcache_integrations.types import (
 )
 
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+TENANT_HEADER = "X-RagCache-Tenant"
+# torch seeds its generator from an unsigned 64-bit value; anything larger fails deep in the engine
+MAX_SEED = 2**63 - 1
+
+Order = Literal["preserve", "frequency"]
 
 
-class GenerateRequest(BaseModel):
+def _tenant_field() -> Any:
+    return Field(default=None, pattern=TENANT_PATTERN,
+                 description=f"Salts every cache key; overrides the {TENANT_HEADER} header.")
+
+
+def _chunks_from_strings(value: Any) -> Any:
+    # accept bare strings for chunks, as ChunkedPrompt does, so both endpoints read the same
+    if isinstance(value, list):
+        return [{"text": v} if isinstance(v, str) else v for v in value]
+    return value
+
+
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, result: GenerationResult) -> Usage:
+        prompt, completion = result.stats.prefill_tokens_total, len(result.token_ids)
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+# --- native API ---------------------------------------------------------------------------------
+class RequestSampling(SamplingParams):
+    """SamplingParams as accepted over HTTP: the same fields, with the seed bounded so a bad one
+    is a 422 naming `sampling.seed` rather than an error inside the engine."""
+
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+
+
+class GenerateRequest(_Strict):
     prompt: ChunkedPrompt
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
-    policy: str = "cacheblend"
-    order: Literal["preserve", "frequency"] = "preserve"
-    tenant: str | None = Field(default=None, pattern=TENANT_PATTERN)
+    sampling: RequestSampling = Field(default_factory=RequestSampling)
+    policy: str = Field(default="cacheblend", max_length=64,
+                        description="full | prefix | reuse | cacheblend[:ratio] | focus[:ratio] | epic[:k]")
+    order: Order = "preserve"
+    tenant: str | None = _tenant_field()
     stream: bool = False
+
+    @field_validator("sampling", mode="before")
+    @classmethod
+    def _plain_sampling(cls, value: Any) -> Any:
+        # a SamplingParams built by the caller is checked again under the HTTP bounds
+        return value.model_dump() if isinstance(value, SamplingParams) else value
 
 
 class GenerateResponse(GenerationResult):
-    usage: dict[str, int] = Field(default_factory=dict)
+    usage: Usage
 
 
-class WarmRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class WarmRequest(_Strict):
     chunks: list[Chunk]
-    system: str | None = None
-    tenant: str | None = Field(default=None, pattern=TENANT_PATTERN)
+    system: str | None = Field(default=None, description="System prompt the chunks will be used with")
+    tenant: str | None = _tenant_field()
+
+    _strings = field_validator("chunks", mode="before")(classmethod(lambda cls, v: _chunks_from_strings(v)))
 
 
 class WarmResponse(BaseModel):
-    chunks: int
-    computed: int
+    chunks: int = Field(description="Chunks in the request")
+    computed: int = Field(description="Chunks whose KV was computed now (the rest were cached)")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CacheStats(BaseModel):
+    """The chunk store's counters plus planner state. Process-wide: all tenants together."""
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    ram_entries: int = 0
+    ram_bytes: int = 0
+    ram_capacity_bytes: int = 0
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    hits_ram: int = 0
+    hits_disk: int = 0
+    misses: int = 0
+    corrupt_files: int = 0
+    conversations: int = 0
+    cptree_nodes: int = 0
+
+
+class ClearResponse(BaseModel):
+    removed: int = Field(description="Cache entries removed")
+    chunk_id: str | None = None
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+    model: str
+    device: str
+    dtype: str
+    queue_depth: int = Field(description="Requests queued or running on the engine worker")
+    max_queue: int
+
+
+# --- OpenAI-compatible API -------------------------------------------------------------------
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    # "developer" is the newer OpenAI name for a system message
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
     name: str | None = None
 
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI chat completions, plus `chunks` (retrieved passages as structure) and ragcache's
-    `policy`/`order`/`tenant`. With chunks: the system message is the system prompt and the last
-    user message is the question; without: a plain chat computed in full."""
+    @property
+    def is_system(self) -> bool:
+        return self.role in ("system", "developer")
 
-    model_config = ConfigDict(extra="forbid")
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    """OpenAI chat completions, plus extensions: `chunks` (retrieved passages as structure),
+    `policy`, `order`, `tenant`, `conversation_id`. With chunks, the first system message is the
+    system prompt and the last user message the question; without, a plain chat computed in full."""
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -68,15 +162,17 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    seed: int | None = None
-    n: int | None = Field(default=None, ge=1, le=1)
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    n: int | None = Field(default=None, ge=1, le=1, description="Only 1 is supported")
     user: str | None = None
-    chunks: list[Chunk] | None = None
-    policy: str = "cacheblend"
-    order: Literal["preserve", "frequency"] = "preserve"
-    tenant: str | None = Field(default=None, pattern=TENANT_PATTERN)
-    conversation_id: str | None = None
+    chunks: list[Chunk] | None = Field(default=None, description="Extension: retrieved chunks [{id?, text}]")
+    policy: str = Field(default="cacheblend", max_length=64, description="Extension: recompute policy")
+    order: Order = "preserve"
+    tenant: str | None = _tenant_field()
+    conversation_id: str | None = Field(default=None, max_length=256)
+
+    _strings = field_validator("chunks", mode="before")(classmethod(lambda cls, v: _chunks_from_strings(v)))
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -88,29 +184,67 @@ class ChatCompletionRequest(BaseModel):
         )
 
 
-class CacheStats(BaseModel):
-    ram_entries: int
-    ram_bytes: int
-    ram_capacity_bytes: int
-    disk_entries: int
-    disk_bytes: int
-    hits_ram: int
-    hits_disk: int
-    misses: int
-    corrupt_files: int
-    conversations: int
-    cptree_nodes: int
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
 
 
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    ragcache: GenerationStats = Field(description="Extension: what reuse saved for this request")
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    ragcache: GenerationStats | None = None
+
+
+# --- errors ----------------------------------------------------------------------------------
 class ErrorBody(BaseModel):
-    message: str
-    type: str
-    field: str | None = None
+    message: str = Field(description="What was wrong and, for limits, the limit")
+    type: str = Field(description="invalid_request_error | authentication_error | rate_limit_error | "
+                                  "not_found_error | timeout_error | server_error")
+    field: str | None = Field(default=None, description="The offending field, dotted (e.g. sampling.max_tokens)")
+    param: str | None = Field(default=None, description="Same as field (the name OpenAI clients read)")
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-__all__ = ["GenerateRequest", "GenerateResponse", "WarmRequest", "WarmResponse", "ChatCompletionRequest",
-           "ChatMessage", "CacheStats", "ErrorResponse", "GenerationStats", "TENANT_PATTERN"]
+__all__ = [
+    "MAX_SEED", "TENANT_HEADER", "TENANT_PATTERN", "AssistantMessage", "CacheStats", "ChatChoice",
+    "ChatChunkChoice", "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatDelta",
+    "ChatMessage", "ClearResponse", "ErrorBody", "ErrorResponse", "GenerateRequest", "GenerateResponse",
+    "GenerationStats", "HealthResponse", "RequestSampling", "StreamOptions", "TextPart", "Usage", "WarmRequest", "WarmResponse",
+]

@@ -1,5 +1,10 @@
-"""Clients for the ragcache sidecar (httpx). Errors come back as typed exceptions carrying the
-server's message; connection failures are retried with exponential backoff."""
+"""Clients for a `ragcache serve` sidecar (httpx), sync and async with the same surface.
+
+Request and response bodies are the pydantic models of `api_models`, shared with the server.
+Errors come back as typed exceptions carrying the server's message and field. Only failures
+where the server surely did no work are retried (connection refused or reset before the request
+was sent, and 429/503 refusals, honouring Retry-After), so a retry never runs a generation twice.
+"""
 
 from __future__ import annotations
 
@@ -12,133 +17,235 @@ from typing import Any
 import httpx
 
 from ragcache_integrations.api_models import (
+    TENANT_HEADER,
     CacheStats,
+    ChatCompletionResponse,
+    ClearResponse,
     GenerateRequest,
     GenerateResponse,
+    HealthResponse,
     WarmRequest,
     WarmResponse,
 )
-from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, SamplingParams
+from ragcache_integrations.types import Chunk, ChunkedPrompt, SamplingParams
+
+DEFAULT_URL = "http://127.0.0.1:8808"
 
 
-class RagCacheError(Exception):
-    def __init__(self, status: int, message: str, field: str | None = None):
+# --- errors ----------------------------------------------------------------------------------
+class RagCacheAPIError(Exception):
+    """The server answered with an error: `status`, `message`, `field`, `code` from its body."""
+
+    def __init__(self, status: int, message: str, field: str | None = None, code: str | None = None):
         super().__init__(f"{status}: {message}")
-        self.status, self.message, self.field = status, message, field
+        self.status, self.message, self.field, self.code = status, message, field, code
 
 
-class InvalidRequestError(RagCacheError):
-    pass
+class InvalidRequestError(RagCacheAPIError):
+    """4xx other than auth and rate limits: fix the request (`field` names what)."""
 
 
-class AuthenticationError(RagCacheError):
-    pass
+class AuthenticationError(RagCacheAPIError):
+    """401: missing or wrong API key."""
 
 
-class RateLimitError(RagCacheError):
-    pass
+class RateLimitError(RagCacheAPIError):
+    """429: the engine queue stayed full through all retries."""
 
 
-class ServerError(RagCacheError):
-    pass
+class ServerError(RagCacheAPIError):
+    """5xx, including 504 (the server's request timeout) and 503 (shutting down)."""
 
 
-def _raise_for(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
+class APIConnectionError(Exception):
+    """The server could not be reached (after the retries), or the connection broke."""
+
+
+class APITimeoutError(APIConnectionError):
+    """No answer within the client's `timeout` (the server cancels the work when we hang up)."""
+
+
+def _transport_error(exc: httpx.TransportError, base_url: object) -> APIConnectionError:
+    if isinstance(exc, httpx.TimeoutException):
+        return APITimeoutError(f"no answer from {base_url} in time: {exc!r}")
+    return APIConnectionError(f"connection to {base_url} failed: {exc!r}")
+
+
+def _error_from(status: int, body: bytes, reason: str) -> RagCacheAPIError:
     try:
-        body = json.loads(response.read() if not response.is_stream_consumed else response.content)
-        err = body.get("error", {})
-        message, field = err.get("message", str(body)), err.get("field")
-    except (json.JSONDecodeError, AttributeError, httpx.ResponseNotRead):
-        message, field = response.reason_phrase, None
-    kind = {401: AuthenticationError, 429: RateLimitError}.get(response.status_code)
+        err = json.loads(body).get("error", {})
+        message, field, code = err.get("message") or reason, err.get("field"), err.get("code")
+    except (ValueError, AttributeError):
+        message, field, code = body.decode("utf-8", "replace")[:500] or reason, None, None
+    kind = {401: AuthenticationError, 429: RateLimitError}.get(status)
     if kind is None:
-        kind = ServerError if response.status_code >= 500 else InvalidRequestError
-    raise kind(response.status_code, message, field)
+        kind = ServerError if status >= 500 else InvalidRequestError
+    return kind(status, message, field, code)
 
 
-def _body(prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None, policy: str, order: str,
-          tenant: str | None, stream: bool) -> dict[str, Any]:
-    request = GenerateRequest(prompt=prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt(**prompt),
-                              sampling=sampling if isinstance(sampling, SamplingParams)
-                              else SamplingParams(**(sampling or {})),
-                              policy=policy, order=order, tenant=tenant, stream=stream)
+def _stream_error(event: dict[str, Any]) -> RagCacheAPIError:
+    """An error reported inside an event stream (after the first token)."""
+    err, status = event.get("error", {}), int(event.get("status", 500))
+    kind = ServerError if status >= 500 else InvalidRequestError
+    return kind(status, err.get("message", "stream failed"), err.get("field"), err.get("code"))
+
+
+# --- request building and parsing, shared by both clients --------------------------------------
+_RETRY_STATUS = (429, 503)
+
+
+def _retry_delay(attempt: int, backoff_s: float, response: httpx.Response | None) -> float:
+    retry_after = response.headers.get("retry-after") if response is not None else None
+    if retry_after and retry_after.isdigit():
+        return float(retry_after)
+    return backoff_s * 2**attempt
+
+
+def _generate_body(prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None, policy: str, order: str,
+                   stream: bool) -> dict[str, Any]:
+    request = GenerateRequest.model_validate({
+        "prompt": prompt, "sampling": sampling or {}, "policy": policy, "order": order, "stream": stream,
+    })
     return request.model_dump(mode="json", exclude_none=True)
 
 
-def _sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    for line in lines:
-        if line.startswith("data:"):
-            data = line[5:].strip()
-            if data and data != "[DONE]":
-                yield json.loads(data)
+def _warm_body(chunks: list[Chunk | str], system: str | None) -> dict[str, Any]:
+    return WarmRequest(chunks=chunks, system=system).model_dump(mode="json", exclude_none=True)
 
 
+def _chat_body(messages: list[dict[str, Any]], chunks: list[Chunk | dict | str] | None,
+               options: dict[str, Any]) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": messages, **options}
+    if chunks is not None:
+        body["chunks"] = [c.model_dump(mode="json") if isinstance(c, Chunk) else c for c in chunks]
+    return body
+
+
+def _tenant(tenant: str | None) -> dict[str, str]:
+    # a per-call tenant travels as the header too, replacing the client's default for that call
+    return {TENANT_HEADER: tenant} if tenant else {}
+
+
+def _sse_data(line: str) -> dict[str, Any] | None:
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return json.loads(data) if data and data != "[DONE]" else None
+
+
+class _StreamState:
+    """Turns native SSE events into deltas; keeps the final response."""
+
+    def __init__(self) -> None:
+        self.result: GenerateResponse | None = None
+
+    def delta(self, event: dict[str, Any]) -> str | None:
+        kind = event.get("type")
+        if kind == "delta":
+            return str(event["text"])
+        if kind == "done":
+            self.result = GenerateResponse.model_validate({k: v for k, v in event.items() if k != "type"})
+        elif kind == "error":
+            raise _stream_error(event)
+        return None
+
+
+def _headers(api_key: str | None, tenant: str | None) -> dict[str, str]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if tenant:
+        headers[TENANT_HEADER] = tenant
+    return headers
+
+
+# --- sync --------------------------------------------------------------------------------------
 class RagCacheClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8808", api_key: str | None = None, timeout: float = 600.0,
-                 retries: int = 3, backoff_s: float = 0.5, tenant: str | None = None):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=headers)
-        self.retries, self.backoff_s, self.tenant = retries, backoff_s, tenant
-        self.last_result: GenerationResult | None = None
+    """`tenant` (optional) is sent as the X-RagCache-Tenant header on every request."""
 
-    def _request(self, method: str, path: str, **kw) -> httpx.Response:
+    def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 600.0,
+                 retries: int = 3, backoff_s: float = 0.5, tenant: str | None = None):
+        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_headers(api_key, tenant))
+        self.retries, self.backoff_s, self.tenant = retries, backoff_s, tenant
+        self.last_result: GenerateResponse | None = None
+
+    def _send(self, method: str, path: str, stream: bool = False, **kw: Any) -> httpx.Response:
+        """Send with retries; the response is returned open (stream=True) or read, never an error."""
         for attempt in range(self.retries + 1):
+            last = attempt == self.retries
             try:
-                response = self._http.request(method, path, **kw)
-                _raise_for(response)
+                response = self._http.send(self._http.build_request(method, path, **kw), stream=stream)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent: safe to retry
+                if last:
+                    raise _transport_error(exc, self._http.base_url) from exc
+                time.sleep(_retry_delay(attempt, self.backoff_s, None))
+                continue
+            except httpx.TransportError as exc:  # the server may have started the work: no retry
+                raise _transport_error(exc, self._http.base_url) from exc
+            if response.status_code < 400:
                 return response
-            except (httpx.ConnectError, httpx.RemoteProtocolError):
-                if attempt == self.retries:
-                    raise
-                time.sleep(self.backoff_s * 2**attempt)
+            try:
+                body = response.read()
+            except httpx.TransportError:
+                body = b""
+            response.close()
+            if response.status_code in _RETRY_STATUS and not last:
+                time.sleep(_retry_delay(attempt, self.backoff_s, response))
+                continue
+            raise _error_from(response.status_code, body, response.reason_phrase)
         raise AssertionError("unreachable")
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        return self._send(method, path, **kw).json()
 
     def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                  policy: str = "cacheblend", order: str = "preserve", tenant: str | None = None) -> GenerateResponse:
-        body = _body(prompt, sampling, policy, order, tenant or self.tenant, False)
-        result = GenerateResponse.model_validate(self._request("POST", "/v1/generate", json=body).json())
-        self.last_result = result
-        return result
+        body = _generate_body(prompt, sampling, policy, order, False)
+        self.last_result = GenerateResponse.model_validate(
+            self._json("POST", "/v1/generate", json=body, headers=_tenant(tenant)))
+        return self.last_result
 
     def stream(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                policy: str = "cacheblend", order: str = "preserve", tenant: str | None = None) -> Iterator[str]:
-        """Yield text deltas; the full result (with stats) is `self.last_result` afterwards."""
-        body = _body(prompt, sampling, policy, order, tenant or self.tenant, True)
-        with self._http.stream("POST", "/v1/generate", json=body) as response:
-            if response.status_code >= 400:
-                response.read()
-                _raise_for(response)
-            for event in _sse_events(response.iter_lines()):
-                if event.get("type") == "delta":
-                    yield event["text"]
-                elif event.get("type") == "done":
-                    event.pop("type")
-                    self.last_result = GenerateResponse.model_validate(event)
+        """Yield text deltas; the full response (text, stats, usage) is `last_result` afterwards.
+        Stopping early closes the connection, which cancels the generation on the server."""
+        body = _generate_body(prompt, sampling, policy, order, True)
+        self.last_result = None
+        state = _StreamState()
+        response = self._send("POST", "/v1/generate", stream=True, json=body, headers=_tenant(tenant))
+        try:
+            for line in response.iter_lines():
+                event = _sse_data(line)
+                if event is not None and (delta := state.delta(event)) is not None:
+                    yield delta
+        except httpx.TransportError as exc:
+            raise _transport_error(exc, self._http.base_url) from exc
+        finally:
+            response.close()
+        self.last_result = state.result
 
-    def chat(self, messages: list[dict[str, str]], chunks: list[Chunk | dict | str] | None = None,
-             **options: Any) -> dict[str, Any]:
-        body: dict[str, Any] = {"messages": messages, **options}
-        if chunks is not None:
-            body["chunks"] = [c.model_dump() if isinstance(c, Chunk) else ({"text": c} if isinstance(c, str) else c)
-                              for c in chunks]
-        return self._request("POST", "/v1/chat/completions", json=body).json()
+    def chat(self, messages: list[dict[str, Any]], chunks: list[Chunk | dict | str] | None = None,
+             tenant: str | None = None, **options: Any) -> ChatCompletionResponse:
+        """OpenAI-style chat completion; `chunks` makes it a chunk-structured RAG prompt.
+        `options`: max_tokens, temperature, top_p, stop, seed, policy, order, conversation_id, model."""
+        body = _chat_body(messages, chunks, options)
+        return ChatCompletionResponse.model_validate(
+            self._json("POST", "/v1/chat/completions", json=body, headers=_tenant(tenant)))
 
     def warm(self, chunks: list[Chunk | str], system: str | None = None, tenant: str | None = None) -> WarmResponse:
-        body = WarmRequest(chunks=[Chunk(text=c) if isinstance(c, str) else c for c in chunks], system=system,
-                           tenant=tenant or self.tenant).model_dump(mode="json", exclude_none=True)
-        return WarmResponse.model_validate(self._request("POST", "/v1/chunks/warm", json=body).json())
+        body = _warm_body(chunks, system)
+        return WarmResponse.model_validate(
+            self._json("POST", "/v1/chunks/warm", json=body, headers=_tenant(tenant)))
 
     def stats(self) -> CacheStats:
-        return CacheStats.model_validate(self._request("GET", "/v1/cache/stats").json())
+        return CacheStats.model_validate(self._json("GET", "/v1/cache/stats"))
 
-    def clear(self, chunk_id: str | None = None) -> int:
-        params = {"chunk_id": chunk_id} if chunk_id else None
-        return int(self._request("DELETE", "/v1/cache", params=params).json()["removed"])
+    def clear(self, chunk_id: str | None = None, tenant: str | None = None) -> int:
+        """Delete one chunk's entries (of the tenant), or, without chunk_id and tenant, all entries."""
+        params = {"chunk_id": chunk_id} if chunk_id is not None else None
+        return ClearResponse.model_validate(
+            self._json("DELETE", "/v1/cache", params=params, headers=_tenant(tenant))).removed
 
-    def health(self) -> dict[str, Any]:
-        return self._request("GET", "/health").json()
+    def health(self) -> HealthResponse:
+        return HealthResponse.model_validate(self._json("GET", "/health"))
 
     def close(self) -> None:
         self._http.close()
@@ -150,61 +257,102 @@ class RagCacheClient:
         self.close()
 
 
+# --- async -------------------------------------------------------------------------------------
 class AsyncRagCacheClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8808", api_key: str | None = None, timeout: float = 600.0,
-                 retries: int = 3, backoff_s: float = 0.5, tenant: str | None = None):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=headers)
-        self.retries, self.backoff_s, self.tenant = retries, backoff_s, tenant
-        self.last_result: GenerationResult | None = None
+    """The same surface as RagCacheClient, awaitable; `stream` is an async iterator."""
 
-    async def _request(self, method: str, path: str, **kw) -> httpx.Response:
+    def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 600.0,
+                 retries: int = 3, backoff_s: float = 0.5, tenant: str | None = None):
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_headers(api_key, tenant))
+        self.retries, self.backoff_s, self.tenant = retries, backoff_s, tenant
+        self.last_result: GenerateResponse | None = None
+
+    async def _send(self, method: str, path: str, stream: bool = False, **kw: Any) -> httpx.Response:
         for attempt in range(self.retries + 1):
+            last = attempt == self.retries
             try:
-                response = await self._http.request(method, path, **kw)
-                _raise_for(response)
+                response = await self._http.send(self._http.build_request(method, path, **kw), stream=stream)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent: safe to retry
+                if last:
+                    raise _transport_error(exc, self._http.base_url) from exc
+                await asyncio.sleep(_retry_delay(attempt, self.backoff_s, None))
+                continue
+            except httpx.TransportError as exc:  # the server may have started the work: no retry
+                raise _transport_error(exc, self._http.base_url) from exc
+            if response.status_code < 400:
                 return response
-            except (httpx.ConnectError, httpx.RemoteProtocolError):
-                if attempt == self.retries:
-                    raise
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+            try:
+                body = await response.aread()
+            except httpx.TransportError:
+                body = b""
+            await response.aclose()
+            if response.status_code in _RETRY_STATUS and not last:
+                await asyncio.sleep(_retry_delay(attempt, self.backoff_s, response))
+                continue
+            raise _error_from(response.status_code, body, response.reason_phrase)
         raise AssertionError("unreachable")
+
+    async def _json(self, method: str, path: str, **kw: Any) -> Any:
+        return (await self._send(method, path, **kw)).json()
 
     async def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                        policy: str = "cacheblend", order: str = "preserve",
                        tenant: str | None = None) -> GenerateResponse:
-        body = _body(prompt, sampling, policy, order, tenant or self.tenant, False)
-        result = GenerateResponse.model_validate((await self._request("POST", "/v1/generate", json=body)).json())
-        self.last_result = result
-        return result
+        body = _generate_body(prompt, sampling, policy, order, False)
+        self.last_result = GenerateResponse.model_validate(
+            await self._json("POST", "/v1/generate", json=body, headers=_tenant(tenant)))
+        return self.last_result
 
     async def stream(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                      policy: str = "cacheblend", order: str = "preserve",
                      tenant: str | None = None) -> AsyncIterator[str]:
-        body = _body(prompt, sampling, policy, order, tenant or self.tenant, True)
-        async with self._http.stream("POST", "/v1/generate", json=body) as response:
-            if response.status_code >= 400:
-                await response.aread()
-                _raise_for(response)
+        body = _generate_body(prompt, sampling, policy, order, True)
+        self.last_result = None
+        state = _StreamState()
+        response = await self._send("POST", "/v1/generate", stream=True, json=body, headers=_tenant(tenant))
+        try:
             async for line in response.aiter_lines():
-                for event in _sse_events(iter([line])):
-                    if event.get("type") == "delta":
-                        yield event["text"]
-                    elif event.get("type") == "done":
-                        event.pop("type")
-                        self.last_result = GenerateResponse.model_validate(event)
+                event = _sse_data(line)
+                if event is not None and (delta := state.delta(event)) is not None:
+                    yield delta
+        except httpx.TransportError as exc:
+            raise _transport_error(exc, self._http.base_url) from exc
+        finally:
+            await response.aclose()
+        self.last_result = state.result
+
+    async def chat(self, messages: list[dict[str, Any]], chunks: list[Chunk | dict | str] | None = None,
+                   tenant: str | None = None, **options: Any) -> ChatCompletionResponse:
+        body = _chat_body(messages, chunks, options)
+        return ChatCompletionResponse.model_validate(
+            await self._json("POST", "/v1/chat/completions", json=body, headers=_tenant(tenant)))
 
     async def warm(self, chunks: list[Chunk | str], system: str | None = None,
                    tenant: str | None = None) -> WarmResponse:
-        body = WarmRequest(chunks=[Chunk(text=c) if isinstance(c, str) else c for c in chunks], system=system,
-                           tenant=tenant or self.tenant).model_dump(mode="json", exclude_none=True)
-        return WarmResponse.model_validate((await self._request("POST", "/v1/chunks/warm", json=body)).json())
+        body = _warm_body(chunks, system)
+        return WarmResponse.model_validate(
+            await self._json("POST", "/v1/chunks/warm", json=body, headers=_tenant(tenant)))
 
     async def stats(self) -> CacheStats:
-        return CacheStats.model_validate((await self._request("GET", "/v1/cache/stats")).json())
+        return CacheStats.model_validate(await self._json("GET", "/v1/cache/stats"))
 
-    async def health(self) -> dict[str, Any]:
-        return (await self._request("GET", "/health")).json()
+    async def clear(self, chunk_id: str | None = None, tenant: str | None = None) -> int:
+        params = {"chunk_id": chunk_id} if chunk_id is not None else None
+        return ClearResponse.model_validate(
+            await self._json("DELETE", "/v1/cache", params=params, headers=_tenant(tenant))).removed
+
+    async def health(self) -> HealthResponse:
+        return HealthResponse.model_validate(await self._json("GET", "/health"))
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncRagCacheClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+__all__ = ["APIConnectionError", "APITimeoutError", "AsyncRagCacheClient", "AuthenticationError", "InvalidRequestError",
+           "RagCacheAPIError", "RagCacheClient", "RateLimitError", "ServerError"]

@@ -1,64 +1,86 @@
-"""Sidecar lifecycle: SIGTERM drains and flushes the disk tier; a dropped stream frees its queue slot."""
+"""Sidecar lifecycle with real processes (tiny random model: it never emits EOS, so generations
+run exactly max_tokens): the bounded queue answers 429, a client that leaves cancels its
+generation, the request timeout gives 504, and SIGTERM drains, cancels and flushes the disk tier."""
 
 from __future__ import annotations
 
-import os
+import json
 import signal
-import socket
-import subprocess
-import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 
+from tests.test_server_process import ServerProcess
 
-def _start(model_dir, cache_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "engine_sidecar.cli", "serve", "--model", str(model_dir),
-                             "--port", str(port), "--cache-dir", str(cache_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ,
-                                                                                       "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise AssertionError("server did not start")
+# ~2.5 s of decoding on the tiny model, unless cancelled
+LONG = {"prompt": {"chunks": ["x y z"], "question": "Go on?"}, "sampling": {"max_tokens": 1900}, "policy": "full"}
+QUICK = {"prompt": {"question": "Hi?"}, "sampling": {"max_tokens": 2}}
 
 
-def test_sigterm_exits_cleanly_and_disk_tier_is_flushed(tiny_llama_dir, tmp_path):
-    proc, base = _start(tiny_llama_dir, tmp_path / "kv")
-    response = httpx.post(base + "/v1/chunks/warm", json={"chunks": [{"text": "A passage kept on disk."}]},
-                          timeout=120)
-    assert response.json()["computed"] == 1
-    proc.send_signal(signal.SIGTERM)
-    # uvicorn drains, runs the shutdown hook (engine.close flushes the disk writer), then re-raises
-    # the signal, so the exit status is the signal's
-    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-    assert list((tmp_path / "kv").glob("*/*.kv.safetensors"))
-    assert not list((tmp_path / "kv").rglob("*.tmp"))
+def _first_event(lines: Iterator[str]) -> str:
+    # keep iterating the same iterator afterwards: a discarded httpx line iterator closes the
+    # connection, which the server rightly takes for a client that left
+    return next(line for line in lines if line.startswith("data:"))
 
 
-def test_client_that_drops_a_stream_does_not_block_the_engine(tiny_llama_dir, tmp_path):
-    proc, base = _start(tiny_llama_dir, tmp_path / "kv")
-    try:
-        body = {"prompt": {"chunks": ["x y z"], "question": "Go on?"}, "sampling": {"max_tokens": 1500},
-                "policy": "full", "stream": True}
-        with httpx.stream("POST", base + "/v1/generate", json=body, timeout=60) as response:
-            for _ in response.iter_lines():
-                break  # the client goes away after the first event
-        quick = {"prompt": {"question": "Hi?"}, "sampling": {"max_tokens": 2}}
-        assert httpx.post(base + "/v1/generate", json=quick, timeout=300).status_code == 200
-        for _ in range(120):  # the dropped stream's slot is released once its generator closes
-            if httpx.get(base + "/health").json()["queue_depth"] == 0:
+def test_full_queue_gives_429_and_a_dropped_stream_frees_the_engine(tiny_llama_dir, tmp_path):
+    with ServerProcess(tiny_llama_dir, tmp_path / "kv", tmp_path / "log", "--max-queue", "1") as server:
+        with httpx.stream("POST", server.base + "/v1/generate", json={**LONG, "stream": True}, timeout=60) as long:
+            lines = long.iter_lines()
+            assert '"delta"' in _first_event(lines)
+            refused = httpx.post(server.base + "/v1/generate", json=QUICK, timeout=60)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+            del lines
+        # the client left after one token: the engine stops at its next token and frees the slot
+        for _ in range(100):
+            if httpx.get(server.base + "/health").json()["queue_depth"] == 0:
                 break
-            time.sleep(0.5)
-        assert httpx.get(base + "/health").json()["queue_depth"] == 0
+            time.sleep(0.05)
+        assert httpx.post(server.base + "/v1/generate", json=QUICK, timeout=60).status_code == 200
+        assert server.metric("ragcache_engine_jobs_total", endpoint="generate", outcome="disconnected") == 1
+        assert server.metric("ragcache_engine_jobs_total", endpoint="generate", outcome="rejected") == 1
+        assert server.metric("ragcache_requests_total", route="/v1/generate", status="429") == 1
+
+
+def test_request_timeout_is_504_json_or_an_error_event(tiny_llama_dir, tmp_path):
+    with ServerProcess(tiny_llama_dir, tmp_path / "kv", tmp_path / "log", "--request-timeout", "0.5") as server:
+        late = httpx.post(server.base + "/v1/generate", json=LONG, timeout=60)
+        assert late.status_code == 504 and late.json()["error"]["type"] == "timeout_error"
+        with httpx.stream("POST", server.base + "/v1/generate", json={**LONG, "stream": True}, timeout=60) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data:")]
+        if r.status_code == 200:  # the first token came in time: the stream ends with an error event
+            last = json.loads(events[-1][5:])
+            assert last["type"] == "error" and last["status"] == 504
+        else:
+            assert r.status_code == 504
+        assert httpx.get(server.base + "/health").json()["queue_depth"] == 0
+        assert server.metric("ragcache_engine_jobs_total", endpoint="generate", outcome="timeout") == 2
+
+
+def test_sigterm_cancels_in_flight_work_after_the_grace_and_flushes_the_disk_tier(tiny_llama_dir, tmp_path):
+    server = ServerProcess(tiny_llama_dir, tmp_path / "kv", tmp_path / "log", "--shutdown-grace", "0.5").start()
+    try:
+        warmed = httpx.post(server.base + "/v1/chunks/warm", json={"chunks": ["A passage kept on disk."]}, timeout=120)
+        assert warmed.json() == {"chunks": 1, "computed": 1}
+        long = {**LONG, "sampling": {"max_tokens": 1900}, "stream": True}
+        with httpx.stream("POST", server.base + "/v1/generate", json=long, timeout=60) as response:
+            stream = response.iter_lines()
+            _first_event(stream)
+            started = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            lines = []
+            try:
+                for line in stream:  # ends when the server cancels the stream
+                    lines.append(line)
+            except httpx.RemoteProtocolError:  # cut mid-body: exactly what a cancel looks like
+                pass
+        # uvicorn re-raises the signal after its shutdown, so the exit status is the signal's
+        assert server.proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert time.monotonic() - started < 30
+        assert not any('"type": "done"' in line for line in lines)  # cut, not finished
+        assert list((tmp_path / "kv").glob("*/*.kv.safetensors"))
+        assert not list((tmp_path / "kv").rglob("*.tmp"))
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        server.kill()

@@ -1,38 +1,57 @@
-"""Prometheus metrics of one sidecar (own registry, so several apps can live in one process)."""
+"""Prometheus metrics of one sidecar, in its own CollectorRegistry so several apps (tests, or
+replicas in one process) never share or collide on counters."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ragcache_integrations.types import GenerationResult
 
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+    from engine_sidecar.engine import Engine
+    from engine_sidecar.server.worker import EngineWorker
+
+_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+
 
 class ServerMetrics:
-    def __init__(self, engine, worker):
+    def __init__(self, engine: Engine, worker: EngineWorker):
         self.engine, self.worker = engine, worker
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("ragcache_requests", "Requests by endpoint and status", ["endpoint", "status"],
+        self.requests = Counter("ragcache_requests", "HTTP responses by route and status", ["route", "status"],
                                 registry=r)
-        self.ttft = Histogram("ragcache_ttft_seconds", "Time to first token",
-                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32), registry=r)
-        self.tokens = Counter("ragcache_prompt_tokens", "Prompt tokens by how they were obtained", ["kind"],
+        self.jobs = Counter("ragcache_engine_jobs", "Engine work by endpoint and outcome "
+                            "(completed | disconnected | timeout | error | rejected)", ["endpoint", "outcome"],
+                            registry=r)
+        self.ttft = Histogram("ragcache_ttft_seconds", "Request arrival to first token, queue wait included",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tokens = Counter("ragcache_prompt_tokens", "Prompt tokens by how they were obtained "
+                              "(reused | recomputed | computed)", ["kind"], registry=r)
+        self.generated = Counter("ragcache_generated_tokens", "Tokens generated", registry=r)
+        self.chunks = Counter("ragcache_chunk_lookups", "Chunk lookups by outcome (hit | miss)", ["outcome"],
                               registry=r)
-        self.chunks = Counter("ragcache_chunk_lookups", "Chunk lookups by outcome", ["outcome"], registry=r)
         self.hit_ratio = Gauge("ragcache_chunk_hit_ratio", "Chunk hits / lookups since start", registry=r)
         self.store_bytes = Gauge("ragcache_store_bytes", "Chunk store bytes per tier", ["tier"], registry=r)
-        self.queue_depth = Gauge("ragcache_queue_depth", "Requests queued or running", registry=r)
+        self.store_entries = Gauge("ragcache_store_entries", "Chunk store entries per tier", ["tier"], registry=r)
+        self.queue_depth = Gauge("ragcache_queue_depth", "Requests queued or running on the engine", registry=r)
         self._hits = self._lookups = 0
 
-    def request(self, endpoint: str, status: int) -> None:
-        self.requests.labels(endpoint, str(status)).inc()
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
 
-    def finished(self, endpoint: str, result: GenerationResult) -> None:
+    def job(self, endpoint: str, outcome: str, result: GenerationResult | None) -> None:
+        self.jobs.labels(endpoint, outcome).inc()
+        if result is None:
+            return
         s = result.stats
-        self.request(endpoint, 200)
-        self.ttft.observe(s.ttft_s)
         self.tokens.labels("reused").inc(s.tokens_reused)
         self.tokens.labels("recomputed").inc(s.tokens_recomputed)
         self.tokens.labels("computed").inc(s.tokens_computed_fresh)
+        self.generated.inc(len(result.token_ids))
         self.chunks.labels("hit").inc(s.chunk_hits)
         self.chunks.labels("miss").inc(s.chunk_misses)
         self._hits += s.chunk_hits
@@ -40,8 +59,43 @@ class ServerMetrics:
         self.hit_ratio.set(self._hits / self._lookups if self._lookups else 0.0)
 
     def render(self) -> bytes:
-        store = self.engine.store.stats()
-        self.store_bytes.labels("ram").set(store.ram_bytes)
-        self.store_bytes.labels("disk").set(store.disk_bytes)
+        """Blocking (the disk tier is a folder walk): call it off the event loop."""
+        try:
+            store = self.engine.store.stats()
+        except OSError:  # a disk entry vanished mid-walk (eviction, clear): keep the last values
+            store = None
+        if store is not None:
+            self.store_bytes.labels("ram").set(store.ram_bytes)
+            self.store_bytes.labels("disk").set(store.disk_bytes)
+            self.store_entries.labels("ram").set(store.ram_entries)
+            self.store_entries.labels("disk").set(store.disk_entries)
         self.queue_depth.set(self.worker.depth)
         return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """ASGI middleware counting every response by route template and status, 4xx included (a
+    handler-side count would miss validation errors, which never reach the handler)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # if the app dies before answering
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            # the router leaves the matched route in the scope: its template keeps label values
+            # bounded (unmatched paths, e.g. scanners' probes, all count as "other")
+            route = getattr(scope.get("route"), "path", None) or "other"
+            self.metrics.requests.labels(route, str(status)).inc()

@@ -1,12 +1,17 @@
-"""One engine worker thread with a bounded queue. The HTTP layer stays async; the engine
-(which serializes requests anyway) runs here. A full queue is refused at once (429), and a
-cancelled request stops between two tokens."""
+"""The engine worker: one thread runs all engine work, behind a bounded admission count.
+
+The engine serializes requests anyway (one sequence at a time), so one thread loses nothing and
+keeps torch off the event loop. Admission is refused at once when `max_queue` requests are queued
+or running (the HTTP layer answers 429). A job is an iterator run on the worker; its items reach
+the event loop through an asyncio queue, and a cancelled job stops between two items (two
+tokens), or is skipped altogether if it was cancelled while still queued.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,7 +20,53 @@ class QueueFull(Exception):
     pass
 
 
-_DONE = object()
+class WorkerStopped(Exception):
+    pass
+
+
+_END = object()  # the job's iterator is exhausted
+_CANCELLED = object()  # the HTTP side gave up: stop waiting for the worker
+
+
+class Job:
+    """Loop-side handle of one submitted job: `await job.next()` until it raises StopAsyncIteration."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: asyncio.Queue[Any] = asyncio.Queue()
+        self.cancelled = threading.Event()  # read by the worker thread between items
+        self.finished = False
+
+    def post(self, item: Any) -> None:
+        """Called from the worker thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+        except RuntimeError:  # the loop is gone (process shutting down): nobody is listening
+            pass
+
+    def cancel(self) -> None:
+        """Called on the loop: the worker stops at its next item; a waiting `next()` returns now."""
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            self._items.put_nowait(_CANCELLED)
+
+    async def next(self) -> Any:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._items.get()
+        if item is _END or item is _CANCELLED:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        return item
+
+    def __aiter__(self) -> Job:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self.next()
 
 
 class EngineWorker:
@@ -23,61 +74,72 @@ class EngineWorker:
         self.max_queue = max_queue
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragcache-engine")
         self._lock = threading.Lock()
-        self.depth = 0  # queued + running
+        self._depth = 0
+        self._live: set[Job] = set()
+        self._stopping = threading.Event()
 
-    def _admit(self) -> None:
+    @property
+    def depth(self) -> int:
+        """Jobs queued or running."""
+        return self._depth
+
+    def submit(self, make: Callable[[], Iterator[Any]]) -> Job:
+        """Admit a job (or raise QueueFull / WorkerStopped) and queue it on the worker thread."""
+        job = Job(asyncio.get_running_loop())
         with self._lock:
-            if self.depth >= self.max_queue:
+            if self._stopping.is_set():
+                raise WorkerStopped
+            if self._depth >= self.max_queue:
                 raise QueueFull
-            self.depth += 1
+            self._depth += 1
+            self._live.add(job)
+        try:
+            self._pool.submit(self._run, make, job)
+        except RuntimeError:  # pool already shut down
+            self._release(job)
+            raise WorkerStopped from None
+        return job
 
-    def _leave(self) -> None:
+    def _release(self, job: Job) -> None:
         with self._lock:
-            self.depth -= 1
+            self._depth -= 1
+            self._live.discard(job)
+
+    def _run(self, make: Callable[[], Iterator[Any]], job: Job) -> None:
+        items: Iterator[Any] | None = None
+        try:
+            if job.cancelled.is_set() or self._stopping.is_set():
+                return  # its client left (or the server is stopping) while it waited: skip the work
+            items = make()
+            for item in items:
+                job.post(item)
+                if job.cancelled.is_set() or self._stopping.is_set():
+                    break
+        except BaseException as exc:  # handed to the request, which maps it to an HTTP error
+            job.post(exc)
+        finally:
+            # close explicitly: the engine's generator holds its lock until it is closed
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+            # the slot frees as soon as the engine is done, whatever the HTTP side is doing
+            self._release(job)
+            job.post(_END)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
-        self._admit()
+        """Run one function on the worker (admission rules apply) and return its result."""
+        job = self.submit(lambda: iter((fn(),)))
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+            return await job.next()
         finally:
-            self._leave()
-
-    async def stream(self, make: Callable[[], Iterator[Any]], cancelled: threading.Event) -> AsyncIterator[Any]:
-        """Run a generator on the worker, yielding its items here; `cancelled` stops it."""
-        self._admit()
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-
-        def produce() -> None:
-            try:
-                for item in make():
-                    if cancelled.is_set():
-                        break
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-            except BaseException as exc:  # handed to the request task, which maps it to an HTTP error
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-            finally:
-                # the engine slot is free as soon as the engine is done, whatever the HTTP side
-                # is doing (a send to a vanished client can stay pending)
-                self._leave()
-                loop.call_soon_threadsafe(queue.put_nowait, _DONE)
-
-        try:
-            future = loop.run_in_executor(self._pool, produce)
-        except RuntimeError:
-            self._leave()
-            raise
-        try:
-            while True:
-                item = await queue.get()
-                if item is _DONE:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancelled.set()
-            await asyncio.shield(future)
+            job.cancel()
 
     def shutdown(self) -> None:
+        """Stop taking jobs, stop running ones at their next item, and wait for the thread."""
+        with self._lock:
+            self._stopping.set()
+            live = list(self._live)
+        for job in live:
+            job.cancelled.set()
+            job.post(_CANCELLED)  # jobs the pool drops unrun would otherwise be awaited forever
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,82 @@
+"""Operator endpoints: cache statistics and deletion, health, Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Annotated, TypeVar
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine_sidecar.server.context import ServerContext
+from engine_sidecar.server.engine_call import run_on_worker
+from engine_sidecar.server.errors import ApiError
+from engine_sidecar.server.guards import TenantHeader, auth_dependency
+from engine_sidecar.server.openapi import error_responses
+from engine_sidecar.server.tenancy import scope_id
+from ragcache_integrations.api_models import TENANT_HEADER, CacheStats, ClearResponse, HealthResponse
+
+T = TypeVar("T")
+
+
+def _read_racing(read: Callable[[], T], fallback: T, attempts: int = 3) -> T:
+    # Stats read structures the engine thread mutates (dicts, the disk folder) without a lock
+    # shared with us; a read that races a write raises, and simply reading again is enough.
+    for _ in range(attempts):
+        try:
+            return read()
+        except (RuntimeError, OSError):
+            continue
+    return fallback
+
+
+def admin_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+    authorized = [Depends(auth_dependency(ctx.settings))]
+    engine = ctx.engine
+
+    def cache_stats_now() -> CacheStats:
+        store = _read_racing(engine.store.stats, None)
+        return CacheStats(**(dataclasses.asdict(store) if store is not None else {}),
+                          conversations=_read_racing(lambda: len(engine.conversations), 0),
+                          cptree_nodes=_read_racing(engine.cptree.nodes, 0))
+
+    @router.get("/v1/cache/stats", response_model=CacheStats, dependencies=authorized, responses=error_responses(401),
+                summary="Chunk store and planner counters (process-wide, all tenants)")
+    async def cache_stats() -> CacheStats:
+        # off the event loop (the disk tier is a folder walk) but not on the engine worker, so
+        # stats stay readable while a long generation runs
+        return await asyncio.to_thread(cache_stats_now)
+
+    @router.delete("/v1/cache", response_model=ClearResponse, dependencies=authorized,
+                   responses=error_responses(400, 401, 422, 429, 503, 504),
+                   summary="Delete cached chunk KV: one chunk id (of the caller's tenant), or everything")
+    async def clear_cache(request: Request, header_tenant: TenantHeader,
+                          chunk_id: Annotated[str | None, Query(min_length=1, max_length=256,
+                                                                description="Only this chunk's entries")] = None,
+                          ) -> ClearResponse:
+        tenant = header_tenant or ""
+        if chunk_id is None and tenant:
+            # the engine cannot delete one tenant's entries only; refusing beats wiping everyone's
+            raise ApiError(400, f"deleting all of one tenant's entries is not supported: give chunk_id, or "
+                                f"omit {TENANT_HEADER} to delete every tenant's entries", "chunk_id",
+                           "tenant_clear_unsupported")
+        target = scope_id(chunk_id, tenant) if chunk_id is not None else None
+        removed = await run_on_worker(ctx, request, "clear", lambda: engine.clear_cache(target))
+        return ClearResponse(removed=removed, chunk_id=chunk_id)
+
+    @router.get("/health", response_model=HealthResponse, summary="Liveness, model and queue depth (no auth)")
+    async def health() -> HealthResponse:
+        return HealthResponse(status="ok", model=engine.model_dir.name, device=engine.runner.device.type,
+                              dtype=str(engine.runner.dtype).removeprefix("torch."), queue_depth=ctx.worker.depth,
+                              max_queue=ctx.worker.max_queue)
+
+    @router.get("/metrics", response_class=Response, summary="Prometheus metrics (no auth)",
+                responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+    async def metrics() -> Response:
+        return Response(await asyncio.to_thread(ctx.metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+    return router

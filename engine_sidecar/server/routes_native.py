@@ -1,0 +1,102 @@
+"""The native API: chunk-structured generation (JSON or server-sent events) and chunk warming."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+
+from fastapi import APIRouter, Depends, Request
+
+from engine_sidecar.errors import RagCacheError
+from engine_sidecar.server.context import ServerContext
+from engine_sidecar.server.engine_call import EngineCall, stream_events
+from engine_sidecar.server.errors import engine_error_status, error_body
+from engine_sidecar.server.guards import (
+    TenantHeader,
+    auth_dependency,
+    check_chunks,
+    check_policy,
+    check_stops,
+    resolve_tenant,
+)
+from engine_sidecar.server.openapi import ENGINE_ERRORS, SSE_RESPONSE, error_responses
+from engine_sidecar.server.sse import sse, sse_response
+from engine_sidecar.server.tenancy import scope_chunks, scope_prompt
+from ragcache_integrations.api_models import (
+    GenerateRequest,
+    GenerateResponse,
+    Usage,
+    WarmRequest,
+    WarmResponse,
+)
+from ragcache_integrations.types import GenerationResult
+
+
+def native_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(auth_dependency(ctx.settings))], responses=error_responses(*ENGINE_ERRORS))
+    engine, settings = ctx.engine, ctx.settings
+
+    @router.post("/v1/generate", response_model=GenerateResponse, responses=SSE_RESPONSE,
+                 summary="Answer a chunk-structured prompt (JSON, or server-sent events with stream=true)")
+    async def generate(body: GenerateRequest, request: Request,
+                       header_tenant: TenantHeader):
+        tenant = resolve_tenant(body.tenant, header_tenant)
+        check_policy(body.policy)
+        check_chunks(body.prompt.chunks, settings, "prompt.chunks")
+        check_stops(body.sampling.stop, settings, "sampling.stop")
+        prompt = scope_prompt(body.prompt, tenant)
+
+        def make() -> Iterator[str | GenerationResult]:
+            return stream_events(engine.stream(prompt, body.sampling, body.policy, tenant, body.order))
+
+        call = EngineCall(ctx, request, "generate", make, tenant)
+        await call.start()
+        if not body.stream:
+            result = await call.result_of()
+            return GenerateResponse(**result.model_dump(), usage=Usage.of(result))
+        return sse_response(_generate_events(call, settings.request_timeout_s))
+
+    @router.post("/v1/chunks/warm", response_model=WarmResponse,
+                 summary="Precompute and store the KV of chunks not cached yet")
+    async def warm(body: WarmRequest, request: Request,
+                   header_tenant: TenantHeader) -> WarmResponse:
+        tenant = resolve_tenant(body.tenant, header_tenant)
+        check_chunks(body.chunks, settings)
+        chunks = scope_chunks(body.chunks, tenant)
+
+        def make() -> Iterator[int]:
+            # one chunk at a time, so a disconnect or the deadline stops between chunks
+            for chunk in chunks:
+                yield engine.warm([chunk], body.system, tenant)
+
+        if not chunks:
+            return WarmResponse(chunks=0, computed=0)
+        call = EngineCall(ctx, request, "warm", make, tenant, generation=False)
+        await call.start()
+        return WarmResponse(chunks=len(chunks), computed=sum(await call.collect()))
+
+    return router
+
+
+async def _generate_events(call: EngineCall, timeout_s: float) -> AsyncIterator[str]:
+    """`data: {"type": "delta", "text"}` per delta, then `event: done` with the full response;
+    a failure after the first token ends the stream with `event: error`."""
+    try:
+        async with aclosing(call.events()) as events:
+            async for event in events:
+                if isinstance(event, GenerationResult):
+                    done = GenerateResponse(**event.model_dump(), usage=Usage.of(event))
+                    yield sse({"type": "done", **done.model_dump(mode="json")}, "done")
+                else:
+                    yield sse({"type": "delta", "text": event})
+    except RagCacheError as exc:
+        status = engine_error_status(exc)
+        yield sse({"type": "error", "status": status, **error_body(status, str(exc))}, "error")
+        return
+    except Exception:
+        yield sse({"type": "error", "status": 500, **error_body(500, "internal error; the server log has the details")},
+                  "error")
+        raise
+    if call.outcome == "timeout":
+        yield sse({"type": "error", "status": 504, **error_body(504, f"the request did not finish within {timeout_s:g} s "
+                                                      "(--request-timeout)", None, "timeout")}, "error")

@@ -1,0 +1,138 @@
+"""OpenAI-compatible chat completions. With the `chunks` extension the request becomes a
+chunk-structured prompt (system message -> system, last user message -> question) and gets
+chunk KV reuse; without it, it is a plain chat computed in full."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+
+from fastapi import APIRouter, Depends, Request
+
+from engine_sidecar.errors import RagCacheError
+from engine_sidecar.server.context import ServerContext
+from engine_sidecar.server.engine_call import EngineCall, stream_events
+from engine_sidecar.server.errors import ApiError, engine_error_status, error_body
+from engine_sidecar.server.guards import (
+    TenantHeader,
+    auth_dependency,
+    check_chunks,
+    check_policy,
+    check_stops,
+    resolve_tenant,
+)
+from engine_sidecar.server.openapi import ENGINE_ERRORS, SSE_RESPONSE, error_responses
+from engine_sidecar.server.sse import sse, sse_response
+from engine_sidecar.server.tenancy import scope_chunks
+from ragcache_integrations.api_models import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    Usage,
+)
+from ragcache_integrations.types import ChunkedPrompt, GenerationResult, SamplingParams
+
+
+def openai_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(auth_dependency(ctx.settings))], responses=error_responses(*ENGINE_ERRORS))
+    settings = ctx.settings
+
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=SSE_RESPONSE,
+                 summary="OpenAI-compatible chat completions, plus a `chunks` extension for RAG prompts")
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               header_tenant: TenantHeader):
+        tenant = resolve_tenant(body.tenant, header_tenant)
+        sampling = body.sampling()
+        check_stops(sampling.stop, settings, "stop")
+        make = _chunked(ctx, body, sampling, tenant) if body.chunks is not None else _plain(ctx, body, sampling, tenant)
+        call = EngineCall(ctx, request, "chat", make, tenant)
+        await call.start()
+        completion_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        model = body.model or settings.model_name
+        if not body.stream:
+            result = await call.result_of()
+            return ChatCompletionResponse(
+                id=completion_id, created=created, model=model, usage=Usage.of(result), ragcache=result.stats,
+                choices=[ChatChoice(message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)])
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return sse_response(_chat_events(call, completion_id, created, model, include_usage,
+                                         settings.request_timeout_s))
+
+    return router
+
+
+def _chunked(ctx: ServerContext, body: ChatCompletionRequest, sampling: SamplingParams, tenant: str):
+    assert body.chunks is not None
+    check_policy(body.policy)
+    check_chunks(body.chunks, ctx.settings)
+    users = [m for m in body.messages if m.role == "user"]
+    if not users:
+        raise ApiError(422, "messages: with chunks, a user message (the question) is required", "messages",
+                       "question_missing")
+    systems = [m.text for m in body.messages if m.is_system]
+    prompt = ChunkedPrompt(chunks=scope_chunks(body.chunks, tenant), question=users[-1].text,
+                           conversation_id=body.conversation_id, **({"system": systems[0]} if systems else {}))
+
+    def make() -> Iterator[str | GenerationResult]:
+        return stream_events(ctx.engine.stream(prompt, sampling, body.policy, tenant, body.order))
+
+    return make
+
+
+def _plain(ctx: ServerContext, body: ChatCompletionRequest, sampling: SamplingParams, tenant: str):
+    # the chat template knows system/user/assistant; "developer" is OpenAI's newer name for system
+    messages = [{"role": "system" if m.is_system else m.role, "content": m.text} for m in body.messages]
+
+    def make() -> Iterator[str | GenerationResult]:
+        return stream_events(ctx.engine.stream_chat(messages, sampling, tenant))
+
+    return make
+
+
+async def _chat_events(call: EngineCall, completion_id: str, created: int, model: str, include_usage: bool,
+                       timeout_s: float) -> AsyncIterator[str]:
+    """OpenAI's chunk stream: a role delta, content deltas, a final chunk with finish_reason (and
+    the engine stats in `ragcache`), optionally a usage chunk, then `[DONE]`. A failure after the
+    first token is a `data: {"error": ...}` event, which OpenAI clients raise as an APIError."""
+
+    def chunk(delta: ChatDelta, finish: str | None = None, **extra) -> str:
+        return sse(_dump(ChatCompletionChunk(id=completion_id, created=created, model=model,
+                                             choices=[ChatChunkChoice(delta=delta, finish_reason=finish)], **extra)))
+
+    yield chunk(ChatDelta(role="assistant", content=""))
+    try:
+        async with aclosing(call.events()) as events:
+            async for event in events:
+                if isinstance(event, GenerationResult):
+                    yield chunk(ChatDelta(), event.finish_reason, ragcache=event.stats)
+                    if include_usage:
+                        yield sse(_dump(ChatCompletionChunk(id=completion_id, created=created, model=model,
+                                                            choices=[], usage=Usage.of(event))))
+                else:
+                    yield chunk(ChatDelta(content=event))
+    except RagCacheError as exc:
+        yield sse(error_body(engine_error_status(exc), str(exc)))
+        return
+    except Exception:
+        yield sse(error_body(500, "internal error; the server log has the details"))
+        raise
+    if call.outcome == "timeout":
+        yield sse(error_body(504, f"the request did not finish within {timeout_s:g} s (--request-timeout)",
+                             None, "timeout"))
+        return
+    yield sse("[DONE]")
+
+
+def _dump(chunk: ChatCompletionChunk) -> dict:
+    """OpenAI's shape: `finish_reason: null` present, a delta holds only what it carries, and
+    `usage`/`ragcache` appear only on the chunks that have them."""
+    data = chunk.model_dump(mode="json")
+    for choice, model in zip(data["choices"], chunk.choices, strict=True):
+        choice["delta"] = model.delta.model_dump(mode="json", exclude_none=True)
+    return {k: v for k, v in data.items() if not (k in ("usage", "ragcache") and v is None)}

@@ -1,0 +1,103 @@
+"""`ragcache serve`: its flags, the startup banner, and running uvicorn until SIGTERM/SIGINT.
+
+Kept apart from cli.py so the CLI only wires the subcommand; fastapi and uvicorn are imported
+when the server actually starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from engine_sidecar.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from engine_sidecar.engine import Engine
+
+_DEFAULTS = ServerSettings()
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8808, help="port (default 8808; 0 picks a free one, printed)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $RAGCACHE_API_KEY, else no auth)")
+    p.add_argument("--max-queue", type=int, default=_DEFAULTS.max_queue,
+                   help=f"requests queued + running before 429 (default {_DEFAULTS.max_queue})")
+    p.add_argument("--max-chunks", type=int, default=_DEFAULTS.max_chunks,
+                   help=f"chunks per request (default {_DEFAULTS.max_chunks})")
+    p.add_argument("--max-chunk-chars", type=int, default=_DEFAULTS.max_chunk_chars,
+                   help=f"characters per chunk (default {_DEFAULTS.max_chunk_chars})")
+    p.add_argument("--max-body-mb", type=float, default=_DEFAULTS.max_body_bytes / (1 << 20),
+                   help=f"request body size (default {_DEFAULTS.max_body_bytes >> 20} MiB)")
+    p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout_s,
+                   help=f"seconds per request, queue wait included (default {_DEFAULTS.request_timeout_s:g})")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds SIGTERM waits for in-flight requests before cancelling them (default 30)")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+
+
+def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSettings:
+    for name in ("max_queue", "max_chunks", "max_chunk_chars"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"ragcache: error: --{name.replace('_', '-')} must be at least 1")
+    if args.request_timeout <= 0 or args.max_body_mb <= 0:
+        raise SystemExit("ragcache: error: --request-timeout and --max-body-mb must be positive")
+    return ServerSettings(api_key=args.api_key or os.environ.get("RAGCACHE_API_KEY") or None,
+                          max_queue=args.max_queue, max_chunks=args.max_chunks, max_chunk_chars=args.max_chunk_chars,
+                          max_body_bytes=int(args.max_body_mb * (1 << 20)), request_timeout_s=args.request_timeout,
+                          model_name=model_name)
+
+
+def banner(engine: Engine, settings: ServerSettings, address: str) -> str:
+    store = engine.store
+    disk = f"disk {store.disk.directory}" if store.disk is not None else "disk off"
+    dtype = str(engine.runner.dtype).removeprefix("torch.")
+    return (f"ragcache serving on {address} | model {engine.model_dir} | device {engine.runner.device.type} | "
+            f"dtype {dtype} | tiers: RAM {store.ram.capacity_bytes / (1 << 30):.1f} GiB, {disk} | "
+            f"auth {'on' if settings.api_key else 'off'} | queue {settings.max_queue}")
+
+
+def serve(args: argparse.Namespace, make_engine: Callable[[argparse.Namespace], Engine]) -> int:
+    import uvicorn
+
+    from engine_sidecar.server.app import create_app
+
+    settings = settings_from_args(args, "ragcache")  # flag errors before the model loads
+    engine = make_engine(args)
+    settings = ServerSettings(**{**settings.__dict__, "model_name": engine.model_dir.name})
+    close_once = _once(engine.close)
+    app = create_app(engine, settings, on_shutdown=close_once)
+
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # printed once the socket is bound, with the real port (--port 0)
+                port = self.servers[0].sockets[0].getsockname()[1] if self.servers else args.port
+                print(banner(engine, settings, f"http://{args.host}:{port}"), flush=True)
+
+    # On SIGTERM/SIGINT uvicorn stops accepting, waits up to --shutdown-grace for in-flight
+    # requests, cancels the rest (their engine work stops at the next token), then runs the app's
+    # shutdown, which closes the engine and flushes the disk tier.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_grace, lifespan="on")
+    try:
+        AnnouncingServer(config).run()
+    finally:
+        close_once()  # also when startup failed (port taken) and the app never shut down
+    return 0
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    lock, done = threading.Lock(), [False]
+
+    def run() -> None:
+        with lock:
+            if not done[0]:
+                done[0] = True
+                fn()
+
+    return run

@@ -1,0 +1,191 @@
+"""Client behaviour that a healthy server never shows: retries, backoff, error mapping, broken
+connections. The peer is a scripted stdlib HTTP server (it plays back canned responses; no
+engine is involved). End-to-end client use against `ragcache serve` is in test_server.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from ragcache_integrations.client import (
+    APIConnectionError,
+    APITimeoutError,
+    AsyncRagCacheClient,
+    AuthenticationError,
+    InvalidRequestError,
+    RagCacheClient,
+    RateLimitError,
+    ServerError,
+)
+
+HEALTH = {"status": "ok", "model": "m", "device": "cpu", "dtype": "float32", "queue_depth": 0, "max_queue": 1}
+# one reply: (status, headers, body) or "drop" (close the connection without answering) or
+# ("sleep", seconds)
+Reply = tuple[int, dict[str, str], bytes] | str | tuple[str, float]
+
+
+def _json(status: int, body: object, **headers: str) -> Reply:
+    return status, {"content-type": "application/json", **headers}, json.dumps(body).encode()
+
+
+def _error(status: int, message: str, field: str | None = None, **headers: str) -> Reply:
+    return _json(status, {"error": {"message": message, "type": "x", "field": field, "code": "c"}}, **headers)
+
+
+class Scripted:
+    def __init__(self, replies: list[Reply], port: int = 0):
+        self.replies, self.requests = list(replies), []
+        script = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _reply(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                script.requests.append((self.command, self.path, dict(self.headers), self.rfile.read(length)))
+                reply = script.replies.pop(0) if script.replies else _json(200, HEALTH)
+                if reply == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if isinstance(reply[0], str):  # ("sleep", s)
+                    time.sleep(reply[1])
+                    reply = _json(200, HEALTH)
+                status, headers, body = reply
+                self.send_response(status)
+                for k, v in {**headers, "content-length": str(len(body))}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_DELETE = _reply
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> Scripted:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_connection_refused_is_retried_with_backoff_then_typed():
+    client = RagCacheClient(f"http://127.0.0.1:{_free_port()}", retries=2, backoff_s=0.05)
+    start = time.monotonic()
+    with pytest.raises(APIConnectionError, match="connection to"):
+        client.health()
+    assert time.monotonic() - start >= 0.05 + 0.1  # two waits: 0.05, then 0.1
+
+
+def test_a_server_that_comes_up_late_is_reached_by_the_retries():
+    port = _free_port()
+    client = RagCacheClient(f"http://127.0.0.1:{port}", retries=6, backoff_s=0.1)
+    answer: list[object] = []
+    thread = threading.Thread(target=lambda: answer.append(client.health()))
+    thread.start()
+    time.sleep(0.3)
+    with Scripted([], port=port):
+        thread.join(timeout=30)
+    assert answer and answer[0].status == "ok"
+
+
+def test_429_and_503_are_retried_after_retry_after():
+    with Scripted([_error(429, "full", **{"retry-after": "0"}), _error(503, "busy"), _json(200, HEALTH)]) as peer:
+        assert RagCacheClient(peer.base, retries=3, backoff_s=0.01).health().status == "ok"
+        assert len(peer.requests) == 3
+
+
+def test_429_past_the_retries_is_a_rate_limit_error():
+    with Scripted([_error(429, "queue full", **{"retry-after": "0"})] * 3) as peer:
+        with pytest.raises(RateLimitError, match="queue full") as info:
+            RagCacheClient(peer.base, retries=2, backoff_s=0.01).health()
+        assert info.value.status == 429 and len(peer.requests) == 3
+
+
+@pytest.mark.parametrize("reply,kind,status,field", [
+    (_error(422, "sampling.max_tokens: too big", "sampling.max_tokens"), InvalidRequestError, 422,
+     "sampling.max_tokens"),
+    (_error(413, "limit is 6", "prompt.chunks"), InvalidRequestError, 413, "prompt.chunks"),
+    (_error(401, "wrong key", "authorization"), AuthenticationError, 401, "authorization"),
+    (_error(504, "too slow"), ServerError, 504, None),
+    ((502, {"content-type": "text/html"}, b"<h1>Bad gateway</h1>"), ServerError, 502, None),
+])
+def test_errors_are_typed_and_carry_the_servers_message(reply, kind, status, field):
+    with Scripted([reply]) as peer:
+        with pytest.raises(kind) as info:
+            RagCacheClient(peer.base, retries=0).generate({"question": "q"})
+    assert info.value.status == status and info.value.field == field
+    assert info.value.message in ("sampling.max_tokens: too big", "limit is 6", "wrong key", "too slow",
+                                  "<h1>Bad gateway</h1>")
+
+
+def test_a_request_the_server_may_have_started_is_not_retried():
+    with Scripted(["drop"]) as peer:
+        with pytest.raises(APIConnectionError):
+            RagCacheClient(peer.base, retries=3, backoff_s=0.01).generate({"question": "q"})
+        assert len(peer.requests) == 1
+
+
+def test_client_timeout_is_typed():
+    with Scripted([("sleep", 1.0)]) as peer:
+        with pytest.raises(APITimeoutError):
+            RagCacheClient(peer.base, timeout=0.2, retries=0).health()
+
+
+def _sse(*events: dict, event: str | None = None) -> bytes:
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events)
+
+
+def test_stream_yields_deltas_keeps_the_result_and_raises_stream_errors():
+    done = {"type": "done", "text": "ab", "token_ids": [1, 2], "finish_reason": "length", "stats": {},
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    ok = (200, {"content-type": "text/event-stream"},
+          _sse({"type": "delta", "text": "a"}, {"type": "delta", "text": "b"}, done))
+    failing = (200, {"content-type": "text/event-stream"},
+               _sse({"type": "delta", "text": "a"}, {"type": "error", "status": 504,
+                                                     "error": {"message": "late", "code": "timeout"}}))
+    with Scripted([ok, failing]) as peer:
+        client = RagCacheClient(peer.base, retries=0, tenant="acme")
+        assert list(client.stream({"question": "q"})) == ["a", "b"]
+        assert client.last_result is not None and client.last_result.usage.total_tokens == 5
+        deltas: Iterator[str] = client.stream({"question": "q"}, tenant="other")
+        with pytest.raises(ServerError, match="late") as info:
+            list(deltas)
+        assert info.value.status == 504 and info.value.code == "timeout"
+        sent = [json.loads(r[3]) for r in peer.requests]
+        assert all(body["stream"] is True for body in sent)
+        # the client-wide tenant travels as the header; a per-call tenant replaces it
+        assert [r[2].get("X-RagCache-Tenant") for r in peer.requests] == ["acme", "other"]
+
+
+def test_async_client_retries_and_maps_errors_the_same_way():
+    async def run() -> None:
+        with Scripted([_error(429, "full", **{"retry-after": "0"}), _json(200, HEALTH),
+                       _error(422, "bad", "policy")]) as peer:
+            async with AsyncRagCacheClient(peer.base, retries=2, backoff_s=0.01) as client:
+                assert (await client.health()).status == "ok"
+                with pytest.raises(InvalidRequestError) as info:
+                    await client.generate({"question": "q"}, policy="x")
+                assert info.value.field == "policy"
+
+    asyncio.run(run())
