@@ -117,7 +117,10 @@ class ClearResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"]
-    model: str
+    model: str = Field(description="Model folder name (also the default `model` of chat responses)")
+    model_path: str = Field(description="Model folder on the server: a client on the same machine can load "
+                                        "its tokenizer for offline token counting")
+    context_window: int = Field(description="Prompt + generated tokens the model can hold")
     device: str
     dtype: str
     queue_depth: int = Field(description="Requests queued or running on the engine worker")

@@ -24,10 +24,11 @@ from ragcache_integrations.api_models import (
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
+    Usage,
     WarmRequest,
     WarmResponse,
 )
-from ragcache_integrations.types import Chunk, ChunkedPrompt, SamplingParams
+from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationStats, SamplingParams
 
 DEFAULT_URL = "http://127.0.0.1:8808"
 
@@ -150,6 +151,49 @@ class _StreamState:
         return None
 
 
+_ERROR_STATUS = {"authentication_error": 401, "rate_limit_error": 429, "timeout_error": 504, "server_error": 500}
+
+
+class _ChatStreamState:
+    """Turns OpenAI chat chunks into deltas; assembles a GenerateResponse-shaped result (no
+    token ids: the chat API does not carry them)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.finish_reason = "stop"
+        self.stats = GenerationStats()
+        self.usage: Usage | None = None
+
+    def delta(self, event: dict[str, Any]) -> str | None:
+        if "error" in event:
+            kind = str(event["error"].get("type"))
+            raise _stream_error({"status": _ERROR_STATUS.get(kind, 400), **event})
+        if event.get("usage"):
+            self.usage = Usage.model_validate(event["usage"])
+        if event.get("ragcache"):
+            self.stats = GenerationStats.model_validate(event["ragcache"])
+        for choice in event.get("choices", []):
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+            content = choice.get("delta", {}).get("content")
+            if content:
+                self.pieces.append(content)
+                return str(content)
+        return None
+
+    def result(self) -> GenerateResponse:
+        usage = self.usage or Usage(prompt_tokens=self.stats.prefill_tokens_total,
+                                    completion_tokens=self.stats.decode_tokens,
+                                    total_tokens=self.stats.prefill_tokens_total + self.stats.decode_tokens)
+        return GenerateResponse(text="".join(self.pieces), token_ids=[], finish_reason=self.finish_reason,
+                                stats=self.stats, usage=usage)
+
+
+def _stream_chat_body(messages: list[dict[str, Any]], chunks: list[Chunk | dict | str] | None,
+                      options: dict[str, Any]) -> dict[str, Any]:
+    return _chat_body(messages, chunks, {**options, "stream": True, "stream_options": {"include_usage": True}})
+
+
 def _headers(api_key: str | None, tenant: str | None) -> dict[str, str]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if tenant:
@@ -229,6 +273,25 @@ class RagCacheClient:
         body = _chat_body(messages, chunks, options)
         return ChatCompletionResponse.model_validate(
             self._json("POST", "/v1/chat/completions", json=body, headers=_tenant(tenant)))
+
+    def stream_chat(self, messages: list[dict[str, Any]], chunks: list[Chunk | dict | str] | None = None,
+                    tenant: str | None = None, **options: Any) -> Iterator[str]:
+        """`chat`, streamed: yields text deltas; `last_result` afterwards holds the text, stats and
+        usage (token_ids stay empty: the chat API does not carry them)."""
+        body = _stream_chat_body(messages, chunks, options)
+        self.last_result = None
+        state = _ChatStreamState()
+        response = self._send("POST", "/v1/chat/completions", stream=True, json=body, headers=_tenant(tenant))
+        try:
+            for line in response.iter_lines():
+                event = _sse_data(line)
+                if event is not None and (delta := state.delta(event)) is not None:
+                    yield delta
+        except httpx.TransportError as exc:
+            raise _transport_error(exc, self._http.base_url) from exc
+        finally:
+            response.close()
+        self.last_result = state.result()
 
     def warm(self, chunks: list[Chunk | str], system: str | None = None, tenant: str | None = None) -> WarmResponse:
         body = _warm_body(chunks, system)
@@ -326,6 +389,24 @@ class AsyncRagCacheClient:
         body = _chat_body(messages, chunks, options)
         return ChatCompletionResponse.model_validate(
             await self._json("POST", "/v1/chat/completions", json=body, headers=_tenant(tenant)))
+
+    async def stream_chat(self, messages: list[dict[str, Any]], chunks: list[Chunk | dict | str] | None = None,
+                          tenant: str | None = None, **options: Any) -> AsyncIterator[str]:
+        body = _stream_chat_body(messages, chunks, options)
+        self.last_result = None
+        state = _ChatStreamState()
+        response = await self._send("POST", "/v1/chat/completions", stream=True, json=body,
+                                    headers=_tenant(tenant))
+        try:
+            async for line in response.aiter_lines():
+                event = _sse_data(line)
+                if event is not None and (delta := state.delta(event)) is not None:
+                    yield delta
+        except httpx.TransportError as exc:
+            raise _transport_error(exc, self._http.base_url) from exc
+        finally:
+            await response.aclose()
+        self.last_result = state.result()
 
     async def warm(self, chunks: list[Chunk | str], system: str | None = None,
                    tenant: str | None = None) -> WarmResponse:

@@ -25,7 +25,8 @@ from ragcache_integrations.client import (
     ServerError,
 )
 
-HEALTH = {"status": "ok", "model": "m", "device": "cpu", "dtype": "float32", "queue_depth": 0, "max_queue": 1}
+HEALTH = {"status": "ok", "model": "m", "model_path": "/m", "context_window": 8, "device": "cpu", "dtype": "float32",
+          "queue_depth": 0, "max_queue": 1}
 # one reply: (status, headers, body) or "drop" (close the connection without answering) or
 # ("sleep", seconds)
 Reply = tuple[int, dict[str, str], bytes] | str | tuple[str, float]
@@ -176,6 +177,32 @@ def test_stream_yields_deltas_keeps_the_result_and_raises_stream_errors():
         assert all(body["stream"] is True for body in sent)
         # the client-wide tenant travels as the header; a per-call tenant replaces it
         assert [r[2].get("X-RagCache-Tenant") for r in peer.requests] == ["acme", "other"]
+
+
+def test_stream_chat_assembles_text_stats_and_usage_and_raises_stream_errors():
+    def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
+        return {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+
+    ok = (200, {"content-type": "text/event-stream"},
+          _sse(chunk({"role": "assistant", "content": ""}), chunk({"content": "Hi"}), chunk({"content": "!"}),
+               chunk({}, "length", ragcache={"prefill_tokens_total": 7, "decode_tokens": 2}),
+               {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [],
+                "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}) + b"data: [DONE]\n\n")
+    failing = (200, {"content-type": "text/event-stream"},
+               _sse(chunk({"content": "Hi"}), {"error": {"message": "late", "type": "timeout_error"}}))
+    with Scripted([ok, failing]) as peer:
+        client = RagCacheClient(peer.base, retries=0)
+        assert list(client.stream_chat([{"role": "user", "content": "q"}], chunks=["c"], max_tokens=2)) == ["Hi", "!"]
+        result = client.last_result
+        assert result is not None and result.text == "Hi!" and result.finish_reason == "length"
+        assert result.stats.prefill_tokens_total == 7 and result.usage.total_tokens == 9
+        with pytest.raises(ServerError, match="late") as info:
+            list(client.stream_chat([{"role": "user", "content": "q"}]))
+        assert info.value.status == 504
+        body = json.loads(peer.requests[0][3])
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["chunks"] == ["c"] and body["max_tokens"] == 2
 
 
 def test_async_client_retries_and_maps_errors_the_same_way():

@@ -119,15 +119,24 @@ def test_async_client_matches_the_sync_one(client, server):
         async with AsyncRagCacheClient(server.base, api_key=KEY) as c:
             whole = await c.generate(ask(PASSAGES[2:4]), {"max_tokens": 6}, policy="full")
             parts = [d async for d in c.stream(ask(PASSAGES[2:4]), {"max_tokens": 6}, policy="full")]
+            last = c.last_result
             achat = await c.chat([{"role": "user", "content": "Where is the lake?"}], chunks=PASSAGES[3:4],
                                  max_tokens=4, policy="full")
-            return whole, "".join(parts), c.last_result, achat, await c.health(), await c.stats()
+            achat_parts = [d async for d in c.stream_chat([{"role": "user", "content": "Where is the lake?"}],
+                                                          chunks=PASSAGES[3:4], max_tokens=4, policy="full")]
+            assert "".join(achat_parts) == achat.choices[0].message.content == c.last_result.text
+            return whole, "".join(parts), last, achat, await c.health(), await c.stats()
 
     whole, streamed, last, achat, health, stats = asyncio.run(run())
     assert whole.token_ids == expected.token_ids and streamed == expected.text
     assert last is not None and last.token_ids == expected.token_ids
     assert achat.choices[0].message.content == chat.choices[0].message.content
     assert health.status == "ok" and health.model == "SmolLM2-135M-Instruct"
+    assert health.context_window == 8192 and health.model_path.endswith("SmolLM2-135M-Instruct")
+    sync_parts = list(client.stream_chat([{"role": "user", "content": "Where is the lake?"}], chunks=PASSAGES[3:4],
+                                         max_tokens=4, policy="full"))
+    assert "".join(sync_parts) == chat.choices[0].message.content
+    assert client.last_result is not None and client.last_result.stats.prefill_tokens_total > 0
     assert stats.ram_entries >= 1
 
 

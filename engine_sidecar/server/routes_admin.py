@@ -70,7 +70,8 @@ def admin_router(ctx: ServerContext) -> APIRouter:
 
     @router.get("/health", response_model=HealthResponse, summary="Liveness, model and queue depth (no auth)")
     async def health() -> HealthResponse:
-        return HealthResponse(status="ok", model=engine.model_dir.name, device=engine.runner.device.type,
+        return HealthResponse(status="ok", model=engine.model_dir.name, model_path=str(engine.model_dir),
+                              context_window=engine.max_context, device=engine.runner.device.type,
                               dtype=str(engine.runner.dtype).removeprefix("torch."), queue_depth=ctx.worker.depth,
                               max_queue=ctx.worker.max_queue)
 
