@@ -93,7 +93,7 @@ class Engine:
         self.model_fp = model_fingerprint(model_dir, runner.dtype)
         self.tokenizer_fp = tokenizer_fingerprint(model_dir, builder.chat_template)
         self._lock = threading.RLock()
-        self._background: queue.Queue[tuple[Chunk, str, str] | None] = queue.Queue()
+        self._background: queue.Queue[tuple[Segment, Segment, str] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self.eos_ids = self._eos_ids()
         self.access_table = ChunkAccessTable(config.ca_window)
@@ -178,13 +178,16 @@ class Engine:
             chunk = Chunk(text=raw) if isinstance(raw, str) else raw
             seg = self.builder.chunk_segment(chunk)
             self._check_chunk_fits(seg, i)
-            key = self._key(seg.token_ids, tenant, self._chunk_context(prefix))
-            with self._lock:
-                if self.store.contains(key):
-                    continue
-                self.store.put(key, self._compute_chunk_kv(seg, prefix, tenant))
-            computed += 1
+            computed += self._warm_segment(seg, prefix, tenant)
         return computed
+
+    def _warm_segment(self, seg: Segment, prefix: Segment, tenant: str) -> bool:
+        key = self._key(seg.token_ids, tenant, self._chunk_context(prefix))
+        with self._lock:
+            if self.store.contains(key):
+                return False
+            self.store.put(key, self._compute_chunk_kv(seg, prefix, tenant))
+        return True
 
     def _background_loop(self) -> None:
         while True:
@@ -192,18 +195,19 @@ class Engine:
             try:
                 if item is None:
                     return
-                chunk, system, tenant = item
-                self.warm([chunk], system=system, tenant=tenant)
+                self._warm_segment(*item)
             except Exception:  # a failed warm only means a later miss
                 log.exception("background precompute failed")
             finally:
                 self._background.task_done()
 
-    def _enqueue_background(self, chunk: Chunk, system: str, tenant: str) -> None:
+    def _enqueue_background(self, seg: Segment, prefix: Segment, tenant: str) -> None:
+        # the segment itself, not its chunk's text: in the verbatim layout a chunk's tokens
+        # come from the whole prompt's tokenization
         if self._worker is None:
             self._worker = threading.Thread(target=self._background_loop, name="ragcache-precompute", daemon=True)
             self._worker.start()
-        self._background.put((chunk, system, tenant))
+        self._background.put((seg, prefix, tenant))
 
     def wait_background(self) -> None:
         """Block until background precompute work queued so far is stored."""
@@ -303,8 +307,8 @@ class Engine:
             times["plan_s"] = time.perf_counter() - t1
             yield from self._decode_loop(planned, sampling, policy, tenant, prompt, t0, times)
         if planned.background:
-            for chunk in planned.background:
-                self._enqueue_background(chunk, prompt.system, tenant)
+            for seg, prefix in planned.background:
+                self._enqueue_background(seg, prefix, tenant)
 
     def _decode_loop(self, planned: PlannedRequest, sampling: SamplingParams, policy: Policy, tenant: str,
                      prompt: ChunkedPrompt | None, t0: float,
@@ -341,7 +345,7 @@ class Engine:
         if tail:
             yield tail
         times["decode_s"] = time.perf_counter() - t3
-        if prompt is not None and prompt.conversation_id:
+        if prompt is not None and prompt.conversation_id and prompt.messages is None:
             self._keep_conversation(prompt, planned, result.kv, generated, tenant)
         stats.decode_tokens = len(generated)
         stats.stage_times = times

@@ -22,7 +22,7 @@ from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.policies import Policy
 from engine_sidecar.prompt import Segment
 from engine_sidecar.store.entry import CacheKey
-from ragcache_integrations.types import Chunk, ChunkedPrompt
+from ragcache_integrations.types import ChunkedPrompt
 
 if TYPE_CHECKING:
     from engine_sidecar.engine import Engine
@@ -33,7 +33,7 @@ class PlannedRequest:
     plan: FusionPlan
     hits: int = 0
     misses: int = 0
-    background: list[Chunk] = field(default_factory=list)
+    background: list[tuple[Segment, Segment]] = field(default_factory=list)  # (chunk, prefix)
     new_nodes: list[tuple[int, CPNode]] = field(default_factory=list)  # (span index, node) to store
     conversation: Conversation | None = None
     dropped_chunk_ids: list[str] = field(default_factory=list)
@@ -54,7 +54,7 @@ class Planner:
              dedup: bool) -> PlannedRequest:
         engine = self.engine
         conv = None
-        if prompt.conversation_id:
+        if prompt.conversation_id and prompt.messages is None:  # verbatim messages carry their own history
             conv = engine.conversations.get(tenant, prompt.conversation_id)
             if conv is not None and conv.system != prompt.system:
                 engine.conversations.drop(tenant, prompt.conversation_id)
@@ -88,7 +88,6 @@ class Planner:
     def _chunks_and_question(self, out: PlannedRequest, segments: list[Segment], pos: int, prefix: Segment,
                              policy: Policy, tenant: str, prompt: ChunkedPrompt, tree_root: str | None) -> None:
         engine = self.engine
-        chunks_by_id = {c.id: c for c in prompt.chunks}
         chunk_segs = [s for s in segments if s.kind == "chunk"]
         out.chunk_ids = [s.chunk_id or "" for s in chunk_segs]
         digests = [token_ids_digest(list(s.token_ids)) for s in chunk_segs]
@@ -130,7 +129,7 @@ class Planner:
                     continue
                 extending = False
                 if policy.uses_cache and policy.fuses:
-                    self._fuse_or_miss(out, span, seg, prefix, tenant, chunks_by_id)
+                    self._fuse_or_miss(out, span, seg, prefix, tenant)
                 else:
                     out.misses += int(policy.uses_cache)
             out.plan.spans.append(span)
@@ -140,8 +139,8 @@ class Planner:
         counts = [self.engine.access_table.count(s.chunk_id or "") for s in segs]
         return self.engine.cptree.should_promote(counts, threshold)
 
-    def _fuse_or_miss(self, out: PlannedRequest, span: PlanSpan, seg: Segment, prefix: Segment, tenant: str,
-                      chunks_by_id: dict[str | None, Chunk]) -> None:
+    def _fuse_or_miss(self, out: PlannedRequest, span: PlanSpan, seg: Segment, prefix: Segment,
+                      tenant: str) -> None:
         engine = self.engine
         key = engine._key(seg.token_ids, tenant, engine._chunk_context(prefix))
         span.cached = engine.store.get(key)
@@ -153,9 +152,7 @@ class Planner:
             out.misses += 1
         else:
             out.misses += 1
-            chunk = chunks_by_id.get(seg.chunk_id)
-            if chunk is not None:
-                out.background.append(chunk)
+            out.background.append((seg, prefix))
         if span.cached is not None:
             # After-prefix KV of the first chunk was computed at exactly these positions.
             exact = (engine.config.convention == "after-prefix" and span.start == len(prefix.token_ids)

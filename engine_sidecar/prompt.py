@@ -122,6 +122,8 @@ class PromptBuilder:
         return Segment("prefix", self.encode(self._frame(system)[0]))
 
     def build(self, prompt: ChunkedPrompt) -> AssembledPrompt:
+        if prompt.messages is not None:
+            return self.build_verbatim(prompt.messages, prompt.chunks)
         check_text("system", prompt.system)
         check_text("question", prompt.question)
         if not prompt.question.strip():
@@ -136,12 +138,72 @@ class PromptBuilder:
         segments.append(Segment("question", self.encode(question + tail)))
         return AssembledPrompt(segments)
 
-    def build_chat(self, messages: list[dict[str, str]]) -> AssembledPrompt:
-        """A plain chat (no chunks): one template-rendered segment, computed fresh."""
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text of a chat, with the generation prompt: what a plain chat computes."""
+        if not messages:
+            raise InvalidPromptError("messages is empty: give at least one message")
         for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("content", ""), str):
+                raise InvalidPromptError(f"messages[{i}] must be an object with a string 'content'")
             check_text(f"messages[{i}].content", m.get("content", ""))
         if self.chat_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:
-            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-        return AssembledPrompt([Segment("question", self.encode(text))])
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+
+    def build_chat(self, messages: list[dict[str, str]]) -> AssembledPrompt:
+        """A plain chat (no chunks): one template-rendered segment, computed fresh."""
+        return AssembledPrompt([Segment("question", self.encode(self.render_chat(messages)))])
+
+    def build_verbatim(self, messages: list[dict[str, str]], chunks: list[Chunk]) -> AssembledPrompt:
+        """A chat rendered exactly as `build_chat` renders it, cut into segments at the chunks.
+
+        The whole text is tokenized once and each token goes to the segment its first character
+        lies in, so the token ids are exactly those of the plain chat (cutting the text first and
+        tokenizing the pieces could merge differently at a cut). A chunk is cached under the
+        tokens that fell in it; a passage usually starts and ends at a newline, where the
+        tokenizer splits anyway, so it gets the same tokens wherever it is quoted."""
+        text = self.render_chat(messages)
+        spans: list[tuple[int, int, Chunk]] = []
+        cursor = 0
+        for i, chunk in enumerate(chunks):
+            check_text(f"chunks[{i}].text", chunk.text)
+            needle = chunk.text.strip()
+            if not needle:
+                continue
+            start = text.find(needle, cursor)
+            if start == -1:
+                where = "after the previous chunk " if cursor else ""
+                raise InvalidPromptError(
+                    f"chunks[{i}].text does not occur {where}in the rendered messages: in the verbatim "
+                    "layout every chunk must be quoted in the messages, in the order given")
+            spans.append((start, start + len(needle), chunk))
+            cursor = start + len(needle)
+        if not spans:
+            # no passage: the text before the last message's content (template, system prompt,
+            # earlier turns) is the prefix, so it can still be reused exactly
+            last = messages[-1].get("content", "").strip()
+            cut = text.rfind(last) if last else -1
+            spans_cut = [cut] if cut > 0 else []
+            return self._cut(text, spans_cut, [("prefix", None), ("question", None)][-1 - len(spans_cut):])
+        cuts = [0] + [c for s, e, _ in spans for c in (s, e)]
+        owners: list[tuple[SegmentKind, str | None]] = [("prefix", None)] + [
+            kind for _, _, chunk in spans for kind in (("chunk", chunk.id), ("separator", None))]
+        owners[-1] = ("question", None)
+        return self._cut(text, cuts[1:], owners)
+
+    def _cut(self, text: str, cuts: list[int], owners: list[tuple[SegmentKind, str | None]]) -> AssembledPrompt:
+        """Tokenize `text` once and give each token to the part its first character lies in;
+        parts are [0, cuts[0]), [cuts[0], cuts[1]), ... owned by `owners` in order."""
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+        buckets: list[list[int]] = [[] for _ in owners]
+        part = 0
+        for token, (first, _) in zip(ids, offsets, strict=True):
+            while part < len(cuts) and first >= cuts[part]:
+                part += 1
+            buckets[part].append(token)
+        segments = [Segment(kind, tuple(bucket), chunk_id)
+                    for (kind, chunk_id), bucket in zip(owners, buckets, strict=True) if bucket]
+        if segments[0].kind != "prefix":  # the planner expects one (a chunk opened the text)
+            segments.insert(0, Segment("prefix", ()))
+        return AssembledPrompt(segments)

@@ -1,47 +1,379 @@
-"""Where framework adapters send chunk-structured prompts: an in-process Engine or a sidecar."""
+"""Where framework adapters send prompts: an in-process Engine or a `ragcache serve` sidecar.
+
+Both backends have the same surface, so an adapter is written once:
+
+- `generate` / `stream` / `agenerate` / `astream`: a chunk-structured prompt (reuse happens here);
+- `chat` / `stream_chat` / `achat` / `astream_chat`: a plain chat, computed in full (the fallback
+  when an adapter cannot recover chunks from a prompt that a framework flattened);
+- `count_tokens`, `context_window`, `model_name`: offline token counting and model facts.
+
+Streams are iterated for text deltas; `.result` holds the GenerationResult (text, stats) once
+iteration has ended. Every call returns its own stream object, so concurrent calls never share
+result state.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Protocol
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
-from ragcache_integrations.types import ChunkedPrompt, GenerationResult, SamplingParams
+from ragcache_integrations.types import ChunkedPrompt, GenerationResult, GenerationStats, SamplingParams
+
+Messages = list[dict[str, str]]
 
 
+class DeltaStream:
+    """Text deltas of one generation; `.result` is set when iteration ends (None if cut short)."""
+
+    def __init__(self, deltas: Iterator[str], finish: Callable[[], GenerationResult | None]):
+        self._deltas = deltas
+        self._finish = finish
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            yield from self._deltas
+        finally:
+            # closing the source releases what it holds (the engine lock, an HTTP connection)
+            # right away when the consumer stops early, instead of at garbage collection
+            close = getattr(self._deltas, "close", None)
+            if close is not None:
+                close()
+        self.result = self._finish()
+
+
+class AsyncDeltaStream:
+    """Async counterpart of DeltaStream."""
+
+    def __init__(self, deltas: AsyncIterator[str], finish: Callable[[], GenerationResult | None]):
+        self._deltas = deltas
+        self._finish = finish
+        self.result: GenerationResult | None = None
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        try:
+            async for delta in self._deltas:
+                yield delta
+        finally:
+            aclose = getattr(self._deltas, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        self.result = self._finish()
+
+
+@runtime_checkable
 class Backend(Protocol):
-    def stream(self, prompt: ChunkedPrompt, sampling: SamplingParams, policy: str, order: str,
-               tenant: str) -> tuple[Iterator[str], Any]: ...
+    """What adapters need from a model server. Keyword options are the engine's own."""
+
+    @property
+    def context_window(self) -> int: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    def count_tokens(self, text: str) -> int: ...
+
+    def generate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+                 order: str = "preserve", tenant: str = "") -> GenerationResult: ...
+
+    def stream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+               order: str = "preserve", tenant: str = "") -> DeltaStream: ...
+
+    async def agenerate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+                        order: str = "preserve", tenant: str = "") -> GenerationResult: ...
+
+    def astream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+                order: str = "preserve", tenant: str = "") -> AsyncDeltaStream: ...
+
+    def chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> GenerationResult: ...
+
+    def stream_chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> DeltaStream: ...
+
+    async def achat(self, messages: Messages, sampling: SamplingParams, *,
+                    tenant: str = "") -> GenerationResult: ...
+
+    def astream_chat(self, messages: Messages, sampling: SamplingParams, *,
+                     tenant: str = "") -> AsyncDeltaStream: ...
+
+
+def _drain(stream: DeltaStream) -> GenerationResult:
+    for _ in stream:
+        pass
+    assert stream.result is not None, "the backend ended a stream without a result"
+    return stream.result
+
+
+async def _adrain(stream: AsyncDeltaStream) -> GenerationResult:
+    async for _ in stream:
+        pass
+    assert stream.result is not None, "the backend ended a stream without a result"
+    return stream.result
+
+
+def _in_thread(make: Callable[[], Any]) -> AsyncDeltaStream:
+    """Run a blocking stream in a worker thread and hand its deltas to the event loop.
+
+    The engine computes on the calling thread, so async callers must not run it on the loop.
+    If the consumer stops early, the worker is told to stop and closes the engine stream
+    (which releases the engine lock) instead of decoding to max_tokens for nobody."""
+    holder: dict[str, DeltaStream] = {}
+
+    async def deltas() -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                stream = holder["stream"] = make()
+                iterator = iter(stream)
+                try:
+                    for delta in iterator:
+                        if stop.is_set():
+                            break
+                        loop.call_soon_threadsafe(queue.put_nowait, ("delta", delta))
+                finally:
+                    iterator.close()  # type: ignore[attr-defined]
+                loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
+
+        worker = loop.run_in_executor(None, produce)
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "delta":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    break
+        finally:
+            stop.set()
+            await worker
+
+    def finish() -> GenerationResult | None:
+        stream = holder.get("stream")
+        return stream.result if stream is not None else None
+
+    return AsyncDeltaStream(deltas(), finish)
 
 
 class EngineBackend:
-    """In process (notebooks, tests): calls `engine_sidecar.Engine` directly."""
+    """In process (notebooks, tests, single-process apps): calls an `engine_sidecar.Engine`."""
 
     def __init__(self, engine: Any):
         self.engine = engine
 
-    def stream(self, prompt, sampling, policy, order, tenant):
+    @property
+    def context_window(self) -> int:
+        return int(self.engine.max_context)
+
+    @property
+    def model_name(self) -> str:
+        return str(getattr(self.engine, "model_dir", "ragcache"))
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.engine.builder.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def stream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+               order: str = "preserve", tenant: str = "") -> DeltaStream:
         handle = self.engine.stream(prompt, sampling, policy=policy, tenant=tenant, order=order)
-        return iter(handle), lambda: handle.result
+        return DeltaStream(iter(handle), lambda: handle.result)
+
+    def generate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+                 order: str = "preserve", tenant: str = "") -> GenerationResult:
+        return _drain(self.stream(prompt, sampling, policy=policy, order=order, tenant=tenant))
+
+    async def agenerate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+                        order: str = "preserve", tenant: str = "") -> GenerationResult:
+        return await _adrain(self.astream(prompt, sampling, policy=policy, order=order, tenant=tenant))
+
+    def astream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+                order: str = "preserve", tenant: str = "") -> AsyncDeltaStream:
+        return _in_thread(lambda: self.stream(prompt, sampling, policy=policy, order=order, tenant=tenant))
+
+    def stream_chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> DeltaStream:
+        handle = self.engine.stream_chat(messages, sampling, tenant=tenant)
+        return DeltaStream(iter(handle), lambda: handle.result)
+
+    def chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> GenerationResult:
+        return _drain(self.stream_chat(messages, sampling, tenant=tenant))
+
+    async def achat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> GenerationResult:
+        return await _adrain(self.astream_chat(messages, sampling, tenant=tenant))
+
+    def astream_chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> AsyncDeltaStream:
+        return _in_thread(lambda: self.stream_chat(messages, sampling, tenant=tenant))
 
 
 class HttpBackend:
-    """A `ragcache serve` sidecar over HTTP."""
+    """A `ragcache serve` sidecar, through `ragcache_integrations.client`.
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
-        from ragcache_integrations.client import RagCacheClient
+    Each call opens its own client (one connection), so concurrent calls from threads or event
+    loops never share result state or a connection pool bound to another loop.
 
-        self.client = RagCacheClient(base_url, api_key=api_key, timeout=timeout)
+    Token counting stays offline: `tokenizer` is a local HF tokenizer folder or object; without
+    it, the folder the sidecar reports in /health is used when it exists on this machine, else
+    a rough estimate (4 characters per token)."""
 
-    def stream(self, prompt, sampling, policy, order, tenant):
-        deltas = self.client.stream(prompt, sampling, policy=policy, order=order, tenant=tenant or None)
-        return deltas, lambda: self.client.last_result
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0, retries: int = 3,
+                 tokenizer: Any = None, context_window: int | None = None):
+        try:
+            from ragcache_integrations import client
+        except ImportError as exc:  # the module, or httpx it needs
+            raise RuntimeError(
+                "base_url= needs ragcache_integrations.client (the HTTP client of `ragcache serve`), which "
+                f"could not be imported ({exc}); install ragcache with httpx, or pass engine= instead"
+            ) from exc
+        self._client_module = client
+        self.base_url = base_url
+        self._options: dict[str, Any] = {"api_key": api_key, "timeout": timeout, "retries": retries}
+        self._tokenizer = tokenizer
+        self._context_window = context_window
+        self._model_name: str | None = None
+        self._facts_loaded = False
+
+    # --- model facts, looked up once and lazily (a sidecar may start after the app) ----------
+    def _load_facts(self) -> None:
+        if self._facts_loaded:
+            return
+        self._facts_loaded = True
+        try:
+            with self._client_module.RagCacheClient(self.base_url, **self._options) as c:
+                self._model_name = c.health().model
+        except Exception:  # facts are optional; generation reports a real error if any
+            return
+        folder = Path(self._model_name)
+        if self._tokenizer is None and (folder / "tokenizer.json").is_file():
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        config = folder / "config.json"
+        if self._context_window is None and config.is_file():
+            self._context_window = int(json.loads(config.read_text()).get("max_position_embeddings", 0)) or None
+
+    @property
+    def context_window(self) -> int:
+        self._load_facts()
+        return self._context_window or 2048
+
+    @property
+    def model_name(self) -> str:
+        self._load_facts()
+        return self._model_name or "ragcache"
+
+    def count_tokens(self, text: str) -> int:
+        self._load_facts()
+        if isinstance(self._tokenizer, str | Path):
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self._tokenizer), local_files_only=True)
+        if self._tokenizer is None:
+            return max(1, len(text) // 4)
+        return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # --- generation -------------------------------------------------------------------------
+    def stream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+               order: str = "preserve", tenant: str = "") -> DeltaStream:
+        client = self._client_module.RagCacheClient(self.base_url, **self._options)
+
+        def deltas() -> Iterator[str]:
+            with client:
+                yield from client.stream(prompt, sampling, policy=policy, order=order, tenant=tenant or None)
+
+        return DeltaStream(deltas(), lambda: client.last_result)
+
+    def generate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+                 order: str = "preserve", tenant: str = "") -> GenerationResult:
+        with self._client_module.RagCacheClient(self.base_url, **self._options) as client:
+            return client.generate(prompt, sampling, policy=policy, order=order, tenant=tenant or None)
+
+    def astream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+                order: str = "preserve", tenant: str = "") -> AsyncDeltaStream:
+        client = self._client_module.AsyncRagCacheClient(self.base_url, **self._options)
+
+        async def deltas() -> AsyncIterator[str]:
+            async with client:
+                async for delta in client.stream(prompt, sampling, policy=policy, order=order,
+                                                 tenant=tenant or None):
+                    yield delta
+
+        return AsyncDeltaStream(deltas(), lambda: client.last_result)
+
+    async def agenerate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+                        order: str = "preserve", tenant: str = "") -> GenerationResult:
+        async with self._client_module.AsyncRagCacheClient(self.base_url, **self._options) as client:
+            return await client.generate(prompt, sampling, policy=policy, order=order, tenant=tenant or None)
+
+    # --- plain chat (no chunks) -------------------------------------------------------------
+    @staticmethod
+    def _chat_options(sampling: SamplingParams) -> dict[str, Any]:
+        options: dict[str, Any] = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
+                                   "top_p": sampling.top_p}
+        if sampling.stop:
+            options["stop"] = sampling.stop
+        if sampling.seed is not None:
+            options["seed"] = sampling.seed
+        return options
+
+    @staticmethod
+    def _chat_result(response: Any) -> GenerationResult:
+        choice = response.choices[0]
+        stats = response.ragcache if isinstance(response.ragcache, GenerationStats) else GenerationStats()
+        return GenerationResult(text=choice.message.content, token_ids=[], finish_reason=choice.finish_reason,
+                                stats=stats)
+
+    def chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> GenerationResult:
+        with self._client_module.RagCacheClient(self.base_url, **self._options) as client:
+            return self._chat_result(client.chat(messages, tenant=tenant or None, **self._chat_options(sampling)))
+
+    def stream_chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> DeltaStream:
+        # the client has no streaming chat call yet: the answer arrives as one delta
+        holder: dict[str, GenerationResult] = {}
+
+        def deltas() -> Iterator[str]:
+            holder["result"] = self.chat(messages, sampling, tenant=tenant)
+            yield holder["result"].text
+
+        return DeltaStream(deltas(), lambda: holder.get("result"))
+
+    async def achat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> GenerationResult:
+        async with self._client_module.AsyncRagCacheClient(self.base_url, **self._options) as client:
+            response = await client.chat(messages, tenant=tenant or None, **self._chat_options(sampling))
+        return self._chat_result(response)
+
+    def astream_chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> AsyncDeltaStream:
+        holder: dict[str, GenerationResult] = {}
+
+        async def deltas() -> AsyncIterator[str]:
+            holder["result"] = await self.achat(messages, sampling, tenant=tenant)
+            yield holder["result"].text
+
+        return AsyncDeltaStream(deltas(), lambda: holder.get("result"))
 
 
-def make_backend(engine: Any = None, base_url: str | None = None, api_key: str | None = None) -> Backend:
+def make_backend(engine: Any = None, base_url: str | None = None, api_key: str | None = None,
+                 **http_options: Any) -> Backend:
+    """The backend for an adapter's `engine=` / `base_url=` arguments (exactly one of them)."""
     if (engine is None) == (base_url is None):
-        raise ValueError("give exactly one of engine= (an in-process Engine) or base_url= (a sidecar)")
-    return EngineBackend(engine) if engine is not None else HttpBackend(base_url, api_key)
+        raise ValueError("give exactly one of engine= (an in-process Engine) or base_url= (a sidecar URL)")
+    if engine is not None:
+        return EngineBackend(engine)
+    assert base_url is not None
+    return HttpBackend(base_url, api_key=api_key, **http_options)
 
 
-def stats_dict(result: GenerationResult | None) -> dict[str, Any]:
-    return result.stats.model_dump() if result is not None else {}
+# the stats keys every adapter promises in `.last_stats` and in response metadata
+STATS_KEYS = ("chunk_hits", "chunk_misses", "tokens_reused", "tokens_recomputed", "ttft_s")
+
+
+def stats_dict(result: GenerationResult | None, **extra: Any) -> dict[str, Any]:
+    """A result's stats as a plain dict (JSON-able), plus adapter facts such as `chunks_sent`."""
+    stats = result.stats.model_dump() if result is not None else {}
+    stats.update(extra)
+    return stats

@@ -45,10 +45,10 @@ class ChunkCachedRunnable(Runnable[dict, str]):
         return Chunk(text=doc.page_content, id=str(chunk_id) if chunk_id else None)
 
     def stream(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[str]:
-        deltas, result = self.backend.stream(self._prompt(input), self.sampling, self.policy, self.order,
-                                             self.tenant)
-        yield from deltas
-        self.last_stats = stats_dict(result())
+        stream = self.backend.stream(self._prompt(input), self.sampling, policy=self.policy, order=self.order,
+                                     tenant=self.tenant)
+        yield from stream
+        self.last_stats = stats_dict(stream.result)
 
     def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> str:
         return "".join(self.stream(input, config))

@@ -54,7 +54,17 @@ class Chunk(BaseModel):
 
 
 class ChunkedPrompt(BaseModel):
-    """A RAG prompt kept as structure: system + chunks + question (no separator strings)."""
+    """A RAG prompt kept as structure, in one of two layouts.
+
+    - Engine layout (default): system + chunks + question; the engine lays them out with the
+      model's chat template and its own question template (no separator strings needed).
+    - Verbatim layout (`messages` given): the app's own chat messages, rendered with the model's
+      chat template exactly as a plain chat would be, and `chunks` are passages that occur in
+      them, in order. The engine finds each chunk's characters in the rendered prompt and caches
+      the tokens that fall there, so the tokens computed are exactly those of the plain chat.
+      `system` and `question` are not used; framework adapters that only see a flattened prompt
+      use this layout.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -62,6 +72,16 @@ class ChunkedPrompt(BaseModel):
     chunks: list[Chunk] = Field(default_factory=list)
     question: str
     conversation_id: str | None = None
+    messages: list[dict[str, str]] | None = Field(
+        default=None, description="Verbatim layout: chat messages ({role, content}) that contain the chunks' texts")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _question_from_messages(cls, value: Any) -> Any:
+        # in the verbatim layout the question is inside the messages; keep the field filled
+        if isinstance(value, dict) and value.get("messages") is not None and "question" not in value:
+            return {**value, "question": ""}
+        return value
 
     _utf8 = field_validator("system", "question")(classmethod(lambda cls, v: require_utf8(v)))
 

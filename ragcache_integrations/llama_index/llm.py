@@ -1,0 +1,254 @@
+"""LlamaIndex `ChunkCachedLLM`: a full LLM over a ragcache engine, a drop-in for any query engine.
+
+`index.as_query_engine(llm=ChunkCachedLLM(engine=...))` works unchanged. The synthesizers hand
+the LLM a flattened prompt; the LLM recovers the chunk structure by locating the nodes the
+current query retrieved (seen through LlamaIndex instrumentation, see `observer.py`) in the
+prompt text, and sends system | chunks | question to the engine, so every retrieved node's KV is
+reused across queries. A prompt where no retrieved node is found (or of a shape a ChunkedPrompt
+cannot hold, e.g. earlier chat turns) is sent as a plain chat, exactly as given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.llm import LLM
+
+from ragcache_integrations.backend import AsyncDeltaStream, Backend, DeltaStream, make_backend, stats_dict
+from ragcache_integrations.llama_index import observer
+from ragcache_integrations.recovery import REGISTRY, Recovery, normalize_messages, to_chunked_prompt
+from ragcache_integrations.types import ChunkedPrompt, GenerationResult, SamplingParams
+
+
+def _as_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": m.role.value, "content": m.content or ""} for m in messages]
+
+
+def _plain_roles(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    # chat templates know system/user/assistant; LlamaIndex also has developer/chatbot/model.
+    # The same mapping as the chunked path, so both render the same prompt text.
+    return normalize_messages(messages) or messages
+
+
+class ChunkCachedLLM(LLM):
+    """LLM with chunk-level KV reuse. Give exactly one of `engine=` (an in-process
+    `engine_sidecar.Engine`) or `base_url=` (a `ragcache serve` sidecar).
+
+    `.last_stats` holds the engine stats of the last call (also in each response's
+    `additional_kwargs["ragcache"]`), `.last_prompt` the ChunkedPrompt it sent (None when the
+    call went out as a plain chat; `.last_stats["fallback_reason"]` says why)."""
+
+    policy: str = Field(default="cacheblend", description="full | prefix | reuse | cacheblend[:r] | focus[:r] | epic[:k]")
+    order: Literal["preserve", "frequency"] = Field(default="preserve",
+                                                    description="frequency: the engine sorts chunks by access count")
+    tenant: str = Field(default="", description="Salts every cache key: tenants never share KV")
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+    recover_chunks: bool = Field(default=True, description="Look for retrieved nodes in flattened prompts")
+    min_chunk_chars: int = Field(default=16, ge=1, description="Shorter node texts are not matched")
+    context_window: int | None = Field(default=None, description="Default: the model's context window")
+
+    _backend: Backend = PrivateAttr()
+    _last_stats: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _last_prompt: ChunkedPrompt | None = PrivateAttr(default=None)
+
+    def __init__(self, *, engine: Any = None, base_url: str | None = None, api_key: str | None = None,
+                 tokenizer: Any = None, **fields: Any):
+        super().__init__(**fields)
+        http = {"tokenizer": tokenizer} if base_url is not None and tokenizer is not None else {}
+        self._backend = make_backend(engine, base_url, api_key, **http)
+        observer.install()
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ChunkCachedLLM"
+
+    # --- facts --------------------------------------------------------------------------------
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(context_window=self.context_window or self._backend.context_window,
+                           num_output=self.max_tokens, is_chat_model=True, is_function_calling_model=False,
+                           model_name=self._backend.model_name)
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        return self._last_stats
+
+    @property
+    def last_prompt(self) -> ChunkedPrompt | None:
+        return self._last_prompt
+
+    @property
+    def tokenizer(self) -> Callable[[str], list[int]]:
+        """For `Settings.tokenizer`, which LlamaIndex only measures with len(): counts tokens the
+        way the model does, offline (LlamaIndex's default is a GPT tokenizer)."""
+        return lambda text: list(range(self._backend.count_tokens(text)))
+
+    def count_tokens(self, text: str) -> int:
+        return self._backend.count_tokens(text)
+
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        params = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                  "stop": self.stop, "seed": self.seed}
+        params.update({k: v for k, v in overrides.items() if k in params and v is not None})
+        return SamplingParams(**params)
+
+    # --- the decision: chunked or plain ----------------------------------------------------------
+    def plan(self, messages: list[dict[str, str]]) -> Recovery:
+        """The ChunkedPrompt these messages become, or why they stay a plain chat."""
+        if not self.recover_chunks:
+            return Recovery(None, "chunk recovery is off")
+        return to_chunked_prompt(messages, REGISTRY.snapshot(), min_chars=self.min_chunk_chars)
+
+    def _record(self, result: GenerationResult | None, recovery: Recovery) -> dict[str, Any]:
+        chunks = len(recovery.prompt.chunks) if recovery.prompt is not None else 0
+        self._last_stats = stats_dict(result, chunks_sent=chunks, fallback_reason=recovery.reason or None)
+        self._last_prompt = recovery.prompt
+        return self._last_stats
+
+    def _open(self, messages: list[dict[str, str]], sampling: SamplingParams) -> tuple[DeltaStream, Recovery]:
+        recovery = self.plan(messages)
+        if recovery.prompt is not None:
+            return self.stream_chunked(recovery.prompt, sampling), recovery
+        return self._backend.stream_chat(_plain_roles(messages), sampling, tenant=self.tenant), recovery
+
+    def _aopen(self, messages: list[dict[str, str]], sampling: SamplingParams) -> tuple[AsyncDeltaStream, Recovery]:
+        recovery = self.plan(messages)
+        if recovery.prompt is not None:
+            return self.astream_chunked(recovery.prompt, sampling), recovery
+        return self._backend.astream_chat(_plain_roles(messages), sampling, tenant=self.tenant), recovery
+
+    # --- structured entry points (used by ChunkCachedSynthesizer) -----------------------------
+    def stream_chunked(self, prompt: ChunkedPrompt, sampling: SamplingParams | None = None) -> DeltaStream:
+        return self._backend.stream(prompt, sampling or self.sampling(), policy=self.policy, order=self.order,
+                                    tenant=self.tenant)
+
+    def astream_chunked(self, prompt: ChunkedPrompt, sampling: SamplingParams | None = None) -> AsyncDeltaStream:
+        return self._backend.astream(prompt, sampling or self.sampling(), policy=self.policy, order=self.order,
+                                     tenant=self.tenant)
+
+    def record_chunked(self, prompt: ChunkedPrompt, result: GenerationResult | None) -> dict[str, Any]:
+        return self._record(result, Recovery(prompt))
+
+    # --- chat ---------------------------------------------------------------------------------
+    def _chat_messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+        return _as_dicts(messages)
+
+    def _completion_messages(self, prompt: str, formatted: bool) -> list[dict[str, str]]:
+        # formatted=True: LlamaIndex already put system_prompt into the text (LLM._extend_prompt)
+        system = [] if formatted or not self.system_prompt else [{"role": "system", "content": self.system_prompt}]
+        return [*system, {"role": "user", "content": prompt}]
+
+    def _run(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        stream, recovery = self._open(messages, self.sampling(**kwargs))
+        text = "".join(stream)
+        return text, self._record(stream.result, recovery)
+
+    async def _arun(self, messages: list[dict[str, str]], kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        stream, recovery = self._aopen(messages, self.sampling(**kwargs))
+        text = "".join([d async for d in stream])
+        return text, self._record(stream.result, recovery)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        text, stats = self._run(self._chat_messages(messages), kwargs)
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                            additional_kwargs={"ragcache": stats})
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        stream, recovery = self._open(self._chat_messages(messages), self.sampling(**kwargs))
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for delta in stream:
+                text += delta
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+            # stats exist only once the engine is done: they ride on a last, empty delta
+            stats = self._record(stream.result, recovery)
+            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
+                               additional_kwargs={"ragcache": stats})
+
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        text, stats = await self._arun(self._chat_messages(messages), kwargs)
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                            additional_kwargs={"ragcache": stats})
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        stream, recovery = self._aopen(self._chat_messages(messages), self.sampling(**kwargs))
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            async for delta in stream:
+                text += delta
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+            stats = self._record(stream.result, recovery)
+            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
+                               additional_kwargs={"ragcache": stats})
+
+        return gen()
+
+    # --- completion ---------------------------------------------------------------------------
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        text, stats = self._run(self._completion_messages(prompt, formatted), kwargs)
+        return CompletionResponse(text=text, additional_kwargs={"ragcache": stats})
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        stream, recovery = self._open(self._completion_messages(prompt, formatted), self.sampling(**kwargs))
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for delta in stream:
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+            stats = self._record(stream.result, recovery)
+            yield CompletionResponse(text=text, delta="", additional_kwargs={"ragcache": stats})
+
+        return gen()
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        text, stats = await self._arun(self._completion_messages(prompt, formatted), kwargs)
+        return CompletionResponse(text=text, additional_kwargs={"ragcache": stats})
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        stream, recovery = self._aopen(self._completion_messages(prompt, formatted), self.sampling(**kwargs))
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for delta in stream:
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+            stats = self._record(stream.result, recovery)
+            yield CompletionResponse(text=text, delta="", additional_kwargs={"ragcache": stats})
+
+        return gen()

@@ -1,0 +1,77 @@
+"""Verbatim layout: the app's own chat messages with chunks marked where they are quoted.
+
+What drop-in framework adapters rely on: the tokens computed are exactly the plain chat's, so
+policy `full` answers like a plain chat, and reused chunks still hit."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_sidecar.errors import InvalidPromptError
+from ragcache_integrations import ChunkedPrompt
+from ragcache_integrations.types import Chunk
+
+A = "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean."
+B = "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres."
+
+
+def messages(question: str = "Which river reaches the Atlantic?", first: str = A, second: str = B) -> list[dict]:
+    return [{"role": "system", "content": "Answer from the context."},
+            {"role": "user", "content": f"Context:\n---\n{first}\n\n{second}\n---\nQuery: {question}\nAnswer: "}]
+
+
+def verbatim(msgs: list[dict], chunks=(A, B)) -> ChunkedPrompt:
+    return ChunkedPrompt(messages=msgs, chunks=[Chunk(text=t) for t in chunks])
+
+
+def test_tokens_are_the_plain_chat_tokens_cut_at_the_chunks(tiny_engine):
+    msgs = messages()
+    assembled = tiny_engine.builder.build(verbatim(msgs))
+    assert assembled.token_ids == list(tiny_engine.builder.build_chat(msgs).token_ids)
+    kinds = [s.kind for s in assembled.segments]
+    assert kinds == ["prefix", "chunk", "separator", "chunk", "question"]
+    decoded = [tiny_engine.builder.decode(list(s.token_ids)).strip() for s in assembled.segments if s.kind == "chunk"]
+    assert decoded == [A, B]
+
+
+def test_policy_full_answers_exactly_like_the_plain_chat(tiny_engine):
+    msgs = messages()
+    plain = "".join(tiny_engine.stream_chat(msgs, {"max_tokens": 12}))
+    full = tiny_engine.generate(verbatim(msgs), {"max_tokens": 12}, policy="full")
+    assert full.text == plain
+    ref, _ = tiny_engine.prefill_logits(verbatim(msgs), policy="full")
+    blended, _ = tiny_engine.prefill_logits(verbatim(msgs), policy="cacheblend:1.0")
+    assert (ref - blended).abs().max().item() <= 1e-4
+
+
+def test_quoted_chunks_are_reused_across_prompts_and_orders(tiny_engine):
+    tiny_engine.generate(verbatim(messages()), {"max_tokens": 2}, tenant="t-verbatim")
+    swapped = verbatim(messages("Where is Kilimanjaro?", first=B, second=A), chunks=(B, A))
+    again = tiny_engine.generate(swapped, {"max_tokens": 2}, tenant="t-verbatim")
+    assert again.stats.chunk_hits == 2 and again.stats.tokens_reused > 0
+    other_tenant = tiny_engine.generate(swapped, {"max_tokens": 2}, tenant="t-other")
+    assert other_tenant.stats.chunk_hits == 0
+
+
+def test_no_chunks_is_a_plain_chat_with_a_reusable_prefix(tiny_engine):
+    msgs = messages()
+    prompt = ChunkedPrompt(messages=msgs)
+    assert prompt.question == ""
+    assembled = tiny_engine.builder.build(prompt)
+    assert [s.kind for s in assembled.segments] == ["prefix", "question"]
+    assert tiny_engine.generate(prompt, {"max_tokens": 8}, policy="full").text == "".join(
+        tiny_engine.stream_chat(msgs, {"max_tokens": 8}))
+
+
+@pytest.mark.parametrize("chunks, needle", [
+    (("A passage that the messages never quote.",), "chunks[0].text does not occur in"),
+    ((B, A), "chunks[1].text does not occur after the previous chunk"),
+])
+def test_chunks_not_quoted_in_order_are_clear_errors(tiny_engine, chunks, needle):
+    with pytest.raises(InvalidPromptError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        tiny_engine.generate(verbatim(messages(), chunks), {"max_tokens": 2})
+
+
+def test_empty_messages_are_a_clear_error(tiny_engine):
+    with pytest.raises(InvalidPromptError, match="messages is empty"):
+        tiny_engine.generate(ChunkedPrompt(messages=[]), {"max_tokens": 2})
