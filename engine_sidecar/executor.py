@@ -16,6 +16,7 @@ import torch
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.plan import FusionPlan
 from engine_sidecar.policies import LayerView, Policy
+from ragcache_kernels import dispatch
 from ragcache_kernels.rope import apply_rope
 
 
@@ -101,9 +102,10 @@ def fused_prefill(
             active, must_keep, hidden = active[keep], must_keep[keep], hidden[keep]
             qkv.q, qkv.k, qkv.v = qkv.q[keep], qkv.k[keep], qkv.v[keep]
         token_layers += int(active.shape[0])
-        kv.keys_pre[layer, active] = qkv.k
-        kv.values[layer, active] = qkv.v
-        kv.keys[layer, :n] = apply_rope(kv.keys_pre[layer, :n], cos, sin)
+        # Triton kernels on CUDA, torch references elsewhere (RAGCACHE_KERNELS forces either)
+        dispatch.scatter_rows(kv.keys_pre[layer], active, qkv.k)
+        dispatch.scatter_rows(kv.values[layer], active, qkv.v)
+        dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n])
         q = apply_rope(qkv.q, cos[active], sin[active])
         dense = active.shape[0] == n
         attn = runner.attention(q, kv.keys[layer, :n], kv.values[layer, :n], positions[active], positions, dense)
