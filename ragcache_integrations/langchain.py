@@ -1,74 +1,120 @@
-"""LangChain: `ChunkCachedRunnable`, a drop-in for a stuff-documents chain.
+"""LangChain: `ChunkCachedRunnable`, a drop-in for a stuff-documents chain, and
+`ChunkCachedChatModel` (in `langchain_chat.py`) for chains that format their own prompt.
 
-It takes the dict retrieval chains carry (`{"input" or "question": str, "context": [Document]}`)
-and answers with each Document sent as its own chunk (id from `Document.id`, else
+The runnable takes the dict retrieval chains carry (`{"input" or "question": str, "context":
+[Document]}`) and answers with each Document sent as its own chunk (id from `Document.id`, else
 `metadata[id_key]`, else a hash of the text), so retrieved passages are reused across questions.
+
+- Without `prompt=`: the engine's own layout (system | chunks | question), which also supports
+  `conversation_id` (the next turn continues from this turn's KV).
+- With `prompt=` (the ChatPromptTemplate you gave `create_stuff_documents_chain`): the documents
+  are formatted and joined exactly as that chain does and the template is filled the same way,
+  so the model computes the very tokens the stuff chain would send (verbatim layout).
+
+The answer is a str, like the chain it replaces; the engine stats are in `.last_stats` and are
+dispatched as the custom callback event `ragcache_stats` (visible in `astream_events`).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from langchain_core.callbacks.manager import adispatch_custom_event, dispatch_custom_event
 from langchain_core.documents import Document
-from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
+from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
+from langchain_core.runnables.config import run_in_executor
 
 from ragcache_integrations.backend import make_backend, stats_dict
+from ragcache_integrations.langchain_chat import ChunkCachedChatModel, to_chat_dicts
+from ragcache_integrations.langchain_observer import document_id
+from ragcache_integrations.recovery import with_chunks
 from ragcache_integrations.types import Chunk, ChunkedPrompt, SamplingParams
+
+__all__ = ["ChunkCachedChatModel", "ChunkCachedRunnable"]
+
+DEFAULT_DOCUMENT_PROMPT = PromptTemplate.from_template("{page_content}")
+DEFAULT_DOCUMENT_SEPARATOR = "\n\n"
 
 
 class ChunkCachedRunnable(Runnable[dict, str]):
     def __init__(self, *, engine: Any = None, base_url: str | None = None, api_key: str | None = None,
+                 prompt: BasePromptTemplate | None = None, document_prompt: BasePromptTemplate | None = None,
+                 document_separator: str = DEFAULT_DOCUMENT_SEPARATOR, document_variable_name: str = "context",
                  system: str | None = None, policy: str = "cacheblend", order: str = "preserve", tenant: str = "",
                  conversation_id: str | None = None, max_tokens: int = 256, temperature: float = 0.0,
                  id_key: str = "id"):
+        if prompt is not None and conversation_id is not None:
+            raise ValueError("conversation_id works with the engine's own layout: leave out prompt= to use it "
+                             "(with prompt=, put the history in your template)")
         self.backend = make_backend(engine, base_url, api_key)
+        self.prompt = prompt
+        self.document_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
+        self.document_separator, self.document_variable_name = document_separator, document_variable_name
         self.system, self.policy, self.order, self.tenant = system, policy, order, tenant
         self.conversation_id, self.id_key = conversation_id, id_key
         self.sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         self.last_stats: dict[str, Any] = {}
 
-    def _prompt(self, inputs: dict) -> ChunkedPrompt:
+    # --- the prompt -----------------------------------------------------------------------------
+    def build_prompt(self, inputs: dict) -> ChunkedPrompt:
+        """The ChunkedPrompt sent for these chain inputs."""
+        if not isinstance(inputs, dict):
+            raise ValueError("ChunkCachedRunnable takes a dict: {'input' or 'question': str, 'context': [Document]}")
+        docs = [Document(page_content=d) if isinstance(d, str) else d
+                for d in inputs.get(self.document_variable_name) or []]
+        if self.prompt is not None:
+            return self._verbatim(inputs, docs)
         question = inputs.get("input", inputs.get("question"))
         if not isinstance(question, str):
             raise ValueError("ChunkCachedRunnable needs an 'input' or 'question' string in its input dict")
-        docs = inputs.get("context") or []
-        chunks = [self._chunk(d) for d in docs]
+        chunks = [Chunk(text=d.page_content, id=document_id(d, self.id_key)) for d in docs]
         extra = {"system": self.system} if self.system else {}
         return ChunkedPrompt(chunks=chunks, question=question, conversation_id=self.conversation_id, **extra)
 
-    def _chunk(self, doc: Document | str) -> Chunk:
-        if isinstance(doc, str):
-            return Chunk(text=doc)
-        chunk_id = getattr(doc, "id", None) or doc.metadata.get(self.id_key)
-        return Chunk(text=doc.page_content, id=str(chunk_id) if chunk_id else None)
+    def _verbatim(self, inputs: dict, docs: list[Document]) -> ChunkedPrompt:
+        assert self.prompt is not None
+        texts = [format_document(d, self.document_prompt) for d in docs]
+        values = {**inputs, self.document_variable_name: self.document_separator.join(texts)}
+        missing = set(self.prompt.input_variables) - set(values)
+        if missing:
+            raise ValueError(f"the prompt needs {sorted(missing)}, which the input dict does not have")
+        messages = to_chat_dicts(self.prompt.format_prompt(**values).to_messages())
+        chunks = [Chunk(text=t, id=document_id(d, self.id_key)) for t, d in zip(texts, docs, strict=True)]
+        recovery = with_chunks(messages, chunks)
+        # documents that render to nothing (or are not quoted) are sent as plain text
+        return recovery.prompt or ChunkedPrompt(messages=messages)
 
+    # --- Runnable -------------------------------------------------------------------------------
     def stream(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[str]:
-        stream = self.backend.stream(self._prompt(input), self.sampling, policy=self.policy, order=self.order,
+        stream = self.backend.stream(self.build_prompt(input), self.sampling, policy=self.policy, order=self.order,
                                      tenant=self.tenant)
         yield from stream
         self.last_stats = stats_dict(stream.result)
+        self._report(config)
 
     def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> str:
         return "".join(self.stream(input, config))
 
     async def ainvoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> str:
-        return await asyncio.to_thread(self.invoke, input, config)
+        return "".join([d async for d in self.astream(input, config)])
 
     async def astream(self, input: dict, config: RunnableConfig | None = None,
                       **kwargs: Any) -> AsyncIterator[str]:
-        queue: asyncio.Queue[str | None] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        prompt = await run_in_executor(config, self.build_prompt, input)
+        stream = self.backend.astream(prompt, self.sampling, policy=self.policy, order=self.order,
+                                      tenant=self.tenant)
+        async for delta in stream:
+            yield delta
+        self.last_stats = stats_dict(stream.result)
+        try:
+            await adispatch_custom_event("ragcache_stats", self.last_stats, config=ensure_config(config))
+        except RuntimeError:  # called outside a LangChain run: no parent run to report to
+            pass
 
-        def produce() -> None:
-            try:
-                for delta in self.stream(input, config):
-                    loop.call_soon_threadsafe(queue.put_nowait, delta)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-
-        task = loop.run_in_executor(None, produce)
-        while (item := await queue.get()) is not None:
-            yield item
-        await task
+    def _report(self, config: RunnableConfig | None) -> None:
+        try:
+            dispatch_custom_event("ragcache_stats", self.last_stats, config=ensure_config(config))
+        except RuntimeError:  # called outside a LangChain run: no parent run to report to
+            pass
