@@ -15,13 +15,12 @@ result state.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ragcache_integrations.types import ChunkedPrompt, GenerationResult, GenerationStats, SamplingParams
+from ragcache_integrations.types import ChunkedPrompt, GenerationResult, SamplingParams
 
 Messages = list[dict[str, str]]
 
@@ -245,17 +244,17 @@ class HttpBackend:
         self._facts_loaded = True
         try:
             with self._client_module.RagCacheClient(self.base_url, **self._options) as c:
-                self._model_name = c.health().model
+                health = c.health()
         except Exception:  # facts are optional; generation reports a real error if any
             return
-        folder = Path(self._model_name)
+        self._model_name = health.model
+        if self._context_window is None:
+            self._context_window = health.context_window
+        folder = Path(health.model_path)  # usable when the sidecar runs on this machine
         if self._tokenizer is None and (folder / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        config = folder / "config.json"
-        if self._context_window is None and config.is_file():
-            self._context_window = int(json.loads(config.read_text()).get("max_position_embeddings", 0)) or None
 
     @property
     def context_window(self) -> int:
@@ -311,50 +310,19 @@ class HttpBackend:
             return await client.generate(prompt, sampling, policy=policy, order=order, tenant=tenant or None)
 
     # --- plain chat (no chunks) -------------------------------------------------------------
-    @staticmethod
-    def _chat_options(sampling: SamplingParams) -> dict[str, Any]:
-        options: dict[str, Any] = {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-                                   "top_p": sampling.top_p}
-        if sampling.stop:
-            options["stop"] = sampling.stop
-        if sampling.seed is not None:
-            options["seed"] = sampling.seed
-        return options
-
-    @staticmethod
-    def _chat_result(response: Any) -> GenerationResult:
-        choice = response.choices[0]
-        stats = response.ragcache if isinstance(response.ragcache, GenerationStats) else GenerationStats()
-        return GenerationResult(text=choice.message.content, token_ids=[], finish_reason=choice.finish_reason,
-                                stats=stats)
+    # A plain chat is a verbatim-layout prompt without chunks, computed in full: the same tokens
+    # the sidecar's chat endpoint would compute, with streaming and stats like any generation.
+    def stream_chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> DeltaStream:
+        return self.stream(ChunkedPrompt(messages=messages), sampling, policy="full", tenant=tenant)
 
     def chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> GenerationResult:
-        with self._client_module.RagCacheClient(self.base_url, **self._options) as client:
-            return self._chat_result(client.chat(messages, tenant=tenant or None, **self._chat_options(sampling)))
-
-    def stream_chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> DeltaStream:
-        # the client has no streaming chat call yet: the answer arrives as one delta
-        holder: dict[str, GenerationResult] = {}
-
-        def deltas() -> Iterator[str]:
-            holder["result"] = self.chat(messages, sampling, tenant=tenant)
-            yield holder["result"].text
-
-        return DeltaStream(deltas(), lambda: holder.get("result"))
+        return self.generate(ChunkedPrompt(messages=messages), sampling, policy="full", tenant=tenant)
 
     async def achat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> GenerationResult:
-        async with self._client_module.AsyncRagCacheClient(self.base_url, **self._options) as client:
-            response = await client.chat(messages, tenant=tenant or None, **self._chat_options(sampling))
-        return self._chat_result(response)
+        return await self.agenerate(ChunkedPrompt(messages=messages), sampling, policy="full", tenant=tenant)
 
     def astream_chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> AsyncDeltaStream:
-        holder: dict[str, GenerationResult] = {}
-
-        async def deltas() -> AsyncIterator[str]:
-            holder["result"] = await self.achat(messages, sampling, tenant=tenant)
-            yield holder["result"].text
-
-        return AsyncDeltaStream(deltas(), lambda: holder.get("result"))
+        return self.astream(ChunkedPrompt(messages=messages), sampling, policy="full", tenant=tenant)
 
 
 def make_backend(engine: Any = None, base_url: str | None = None, api_key: str | None = None,
