@@ -345,7 +345,7 @@ class Engine:
         if tail:
             yield tail
         times["decode_s"] = time.perf_counter() - t3
-        if prompt is not None and prompt.conversation_id and prompt.messages is None:
+        if prompt is not None and prompt.conversation_id:
             self._keep_conversation(prompt, planned, result.kv, generated, tenant)
         stats.decode_tokens = len(generated)
         stats.stage_times = times

@@ -21,7 +21,7 @@ from engine_sidecar.fingerprint import token_ids_digest
 from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.policies import Policy
 from engine_sidecar.prompt import Segment
-from engine_sidecar.store.entry import CacheKey
+from engine_sidecar.store.entry import CacheKey, ChunkKV
 from ragcache_integrations.types import ChunkedPrompt
 
 if TYPE_CHECKING:
@@ -53,8 +53,10 @@ class Planner:
     def plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, use_prefix_tree: bool,
              dedup: bool) -> PlannedRequest:
         engine = self.engine
+        if prompt.messages is not None:
+            return self._plan_verbatim(prompt, policy, tenant, use_prefix_tree)
         conv = None
-        if prompt.conversation_id and prompt.messages is None:  # verbatim messages carry their own history
+        if prompt.conversation_id:
             conv = engine.conversations.get(tenant, prompt.conversation_id)
             if conv is not None and conv.system != prompt.system:
                 engine.conversations.drop(tenant, prompt.conversation_id)
@@ -78,6 +80,49 @@ class Planner:
         prefix = assembled.segments[0]
         span = PlanSpan("prefix", 0, prefix.token_ids, "fresh")
         if policy.uses_cache:
+            span.cached = engine.store.get(engine._key(prefix.token_ids, tenant, "exact"))
+            span.mode = "exact" if span.cached is not None else "fresh"
+        out.plan.spans.append(span)
+        root = self.root_digest(prefix, tenant) if (use_prefix_tree and policy.uses_cache) else None
+        self._chunks_and_question(out, assembled.segments[1:], span.end, prefix, policy, tenant, prompt, root)
+        return out
+
+    def _plan_verbatim(self, prompt: ChunkedPrompt, policy: Policy, tenant: str,
+                       use_prefix_tree: bool) -> PlannedRequest:
+        """Verbatim layout. A conversation's next turn re-sends the whole chat, so its KV is
+        reused exactly for the longest common token prefix with the kept history (the earlier
+        turns, as far as the template re-renders them identically); the rest is planned as usual."""
+        engine = self.engine
+        assembled = engine.builder.build(prompt)
+        conv = engine.conversations.get(tenant, prompt.conversation_id) if prompt.conversation_id else None
+        tokens = assembled.token_ids
+        if conv is not None and policy.uses_cache:
+            history = conv.history.token_ids.tolist()
+            limit = min(len(history), len(tokens) - 1)  # the last prompt token is computed: logits
+            same = 0
+            while same < limit and history[same] == tokens[same]:
+                same += 1
+            prefix_ids = assembled.segments[0].token_ids
+            # the history wins unless it covers less than a template prefix the store holds exactly
+            if same > len(prefix_ids) or (same > 0 and not engine.store.contains(
+                    engine._key(prefix_ids, tenant, "exact"))):
+                out = PlannedRequest(FusionPlan([], policy.name), conversation=conv)
+                kept = ChunkKV(conv.history.keys[:, :same], conv.history.values[:, :same],
+                               conv.history.token_ids[:same], None, tenant)
+                out.plan.spans.append(PlanSpan("history", 0, tuple(tokens[:same]), "exact", kept))
+                out.plan.notes.append(f"conversation turn {conv.turns + 1}: {same} history tokens reused")
+                rest, start = [], 0
+                for seg in assembled.segments:
+                    end = start + len(seg.token_ids)
+                    if end > same:  # a part the history covers only in part is computed fresh
+                        rest.append(seg if start >= same else Segment("separator", seg.token_ids[same - start:]))
+                    start = end
+                self._chunks_and_question(out, rest, same, assembled.segments[0], policy, tenant, prompt, None)
+                return out
+        out = PlannedRequest(FusionPlan([], policy.name))
+        prefix = assembled.segments[0]
+        span = PlanSpan("prefix", 0, prefix.token_ids, "fresh")
+        if policy.uses_cache and prefix.token_ids:
             span.cached = engine.store.get(engine._key(prefix.token_ids, tenant, "exact"))
             span.mode = "exact" if span.cached is not None else "fresh"
         out.plan.spans.append(span)

@@ -76,6 +76,8 @@ class ChunkCachedChatModel(BaseChatModel):
     policy: str = "cacheblend"
     order: Literal["preserve", "frequency"] = "preserve"
     tenant: str = ""
+    conversation_id: str | None = Field(
+        default=None, description="Keep this chat's KV: the next call reuses the turns it repeats exactly")
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -148,14 +150,23 @@ class ChunkCachedChatModel(BaseChatModel):
     def plan(self, messages: list[dict[str, str]]) -> Recovery:
         if not self.recover_chunks:
             return Recovery(None, "chunk recovery is off")
-        return to_chunked_prompt(messages, REGISTRY.snapshot(), min_chars=self.min_chunk_chars, id_key=self.id_key)
+        return to_chunked_prompt(messages, REGISTRY.snapshot(), min_chars=self.min_chunk_chars, id_key=self.id_key,
+                                 conversation_id=self.conversation_id)
+
+    def _chunked_or_conversation(self, chat: list[dict[str, str]], recovery: Recovery) -> ChunkedPrompt | None:
+        if recovery.prompt is not None:
+            return recovery.prompt
+        if self.conversation_id:  # no passages, but the chat's earlier turns can still be reused
+            return ChunkedPrompt(messages=chat, conversation_id=self.conversation_id)
+        return None
 
     def _open(self, messages: Sequence[BaseMessage], stop: list[str] | None,
               kwargs: dict[str, Any]) -> tuple[DeltaStream, Recovery]:
         chat, sampling = to_chat_dicts(messages), self._sampling(stop, kwargs)
         recovery = self.plan(chat)
-        if recovery.prompt is not None:
-            stream = self._backend.stream(recovery.prompt, sampling, policy=self.policy, order=self.order,
+        prompt = self._chunked_or_conversation(chat, recovery)
+        if prompt is not None:
+            stream = self._backend.stream(prompt, sampling, policy=self.policy, order=self.order,
                                           tenant=self.tenant)
         else:
             stream = self._backend.stream_chat(chat, sampling, tenant=self.tenant)
@@ -165,8 +176,9 @@ class ChunkCachedChatModel(BaseChatModel):
                kwargs: dict[str, Any]) -> tuple[AsyncDeltaStream, Recovery]:
         chat, sampling = to_chat_dicts(messages), self._sampling(stop, kwargs)
         recovery = self.plan(chat)
-        if recovery.prompt is not None:
-            stream = self._backend.astream(recovery.prompt, sampling, policy=self.policy, order=self.order,
+        prompt = self._chunked_or_conversation(chat, recovery)
+        if prompt is not None:
+            stream = self._backend.astream(prompt, sampling, policy=self.policy, order=self.order,
                                            tenant=self.tenant)
         else:
             stream = self._backend.astream_chat(chat, sampling, tenant=self.tenant)

@@ -163,7 +163,8 @@ def normalize_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, 
 
 
 def to_chunked_prompt(messages: Sequence[Mapping[str, str]], candidates: Sequence[Candidate], *,
-                      min_chars: int = DEFAULT_MIN_CHUNK_CHARS, id_key: str | None = None) -> Recovery:
+                      min_chars: int = DEFAULT_MIN_CHUNK_CHARS, id_key: str | None = None,
+                      conversation_id: str | None = None) -> Recovery:
     """The messages as a verbatim-layout ChunkedPrompt with the passages found in them, or why
     they stay a plain chat. Any message shape works (system prompts, earlier turns): passages
     are looked for in every message, in order."""
@@ -183,7 +184,8 @@ def to_chunked_prompt(messages: Sequence[Mapping[str, str]], candidates: Sequenc
             holder = holder or found
     if not chunks:
         return Recovery(None, "none of the retrieved passages occurs in the prompt")
-    return Recovery(ChunkedPrompt(messages=normalized, chunks=chunks), recovered=holder)
+    return Recovery(ChunkedPrompt(messages=normalized, chunks=chunks, conversation_id=conversation_id),
+                    recovered=holder)
 
 
 def with_chunks(messages: Sequence[Mapping[str, str]], chunks: Sequence[Chunk]) -> Recovery:

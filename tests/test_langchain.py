@@ -203,3 +203,14 @@ def test_chat_model_without_known_documents_is_a_plain_chat(engine):
         from langchain_core.messages import ToolMessage
 
         model.invoke([ToolMessage(content="42", tool_call_id="x")])
+
+
+def test_chat_model_with_a_conversation_id_reuses_earlier_turns(engine):
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    model = ChunkCachedChatModel(engine=engine, max_tokens=6, conversation_id="lc-chat", tenant="lc-chat")
+    history = [SystemMessage(content="You are brief."), HumanMessage(content="Name a long river in Africa.")]
+    reply = model.invoke(history)
+    model.invoke([*history, reply, HumanMessage(content="Which sea does it reach?")])
+    first = model.last_stats["plan"][0]
+    assert first["kind"] == "history" and first["mode"] == "exact" and model.last_stats["tokens_reused"] > 0

@@ -285,3 +285,15 @@ def test_frequency_postprocessor_puts_hot_nodes_first(index):
     ids = [n.node.node_id for n in ordered]
     assert ids == sorted(ids, key=lambda i: (-post.count(i), i))
     assert post.count(str(uuid.uuid5(uuid.NAMESPACE_URL, "nile"))) >= 3
+
+
+def test_chat_engine_with_a_conversation_id_reuses_earlier_turns(mem_index, tiny):
+    """A context chat engine re-sends system + context + every turn; with conversation_id the
+    next turn reuses the KV of what it repeats, exactly."""
+    llm = ChunkCachedLLM(engine=tiny, max_tokens=6, conversation_id="chat-1", tenant="li-chat")
+    chat = mem_index.as_chat_engine(chat_mode="context", llm=llm, similarity_top_k=1)
+    assert str(chat.chat("Where does the Nile river flow?"))
+    chat.chat("Does the Nile river reach the sea?")
+    first_span = llm.last_stats["plan"][0]
+    assert first_span["kind"] == "history" and first_span["mode"] == "exact"
+    assert llm.last_stats["tokens_reused"] >= first_span["positions"][1] > 0

@@ -75,3 +75,25 @@ def test_chunks_not_quoted_in_order_are_clear_errors(tiny_engine, chunks, needle
 def test_empty_messages_are_a_clear_error(tiny_engine):
     with pytest.raises(InvalidPromptError, match="messages is empty"):
         tiny_engine.generate(ChunkedPrompt(messages=[]), {"max_tokens": 2})
+
+
+def test_a_conversations_next_turn_reuses_its_history_exactly(tiny_engine):
+    """Chat engines re-send the whole chat each turn: with a conversation_id the earlier turns'
+    KV (as far as the template re-renders them identically) is reused, and the logits equal a
+    full prefill of the whole chat."""
+    first = messages()
+    turn1 = tiny_engine.generate(ChunkedPrompt(messages=first, chunks=[Chunk(text=A), Chunk(text=B)],
+                                               conversation_id="c1"), {"max_tokens": 6}, policy="prefix")
+    second = [*first, {"role": "assistant", "content": turn1.text},
+              {"role": "user", "content": "And which mountain is the highest in Africa?"}]
+    prompt = ChunkedPrompt(messages=second, chunks=[Chunk(text=A), Chunk(text=B)], conversation_id="c1")
+    full, _ = tiny_engine.prefill_logits(ChunkedPrompt(messages=second), policy="full")
+    reused, stats = tiny_engine.prefill_logits(prompt, policy="prefix")
+    history = stats.plan[0]
+    assert history["kind"] == "history" and history["mode"] == "exact"
+    assert history["positions"][1] > len(tiny_engine.builder.build(ChunkedPrompt(messages=first)).token_ids) // 2
+    assert stats.tokens_reused >= history["positions"][1]
+    assert (full - reused).abs().max().item() <= 1e-4
+    other = tiny_engine.generate(ChunkedPrompt(messages=second, conversation_id="c1"), {"max_tokens": 2},
+                                 policy="prefix", tenant="someone-else")
+    assert other.stats.plan[0]["kind"] != "history"  # conversations are per tenant

@@ -56,6 +56,8 @@ class ChunkCachedLLM(LLM):
     order: Literal["preserve", "frequency"] = Field(default="preserve",
                                                     description="frequency: the engine sorts chunks by access count")
     tenant: str = Field(default="", description="Salts every cache key: tenants never share KV")
+    conversation_id: str | None = Field(
+        default=None, description="Keep this chat's KV: the next call reuses the turns it repeats exactly")
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -119,7 +121,8 @@ class ChunkCachedLLM(LLM):
         """The ChunkedPrompt these messages become, or why they stay a plain chat."""
         if not self.recover_chunks:
             return Recovery(None, "chunk recovery is off")
-        return to_chunked_prompt(messages, REGISTRY.snapshot(), min_chars=self.min_chunk_chars)
+        return to_chunked_prompt(messages, REGISTRY.snapshot(), min_chars=self.min_chunk_chars,
+                                 conversation_id=self.conversation_id)
 
     def _record(self, result: GenerationResult | None, recovery: Recovery) -> dict[str, Any]:
         chunks = len(recovery.prompt.chunks) if recovery.prompt is not None else 0
@@ -131,13 +134,20 @@ class ChunkCachedLLM(LLM):
         recovery = self.plan(messages)
         if recovery.prompt is not None:
             return self.stream_chunked(recovery.prompt, sampling), recovery
+        if self.conversation_id:  # no passages, but the chat's earlier turns can still be reused
+            return self.stream_chunked(self._unchunked(messages), sampling), recovery
         return self._backend.stream_chat(_plain_roles(messages), sampling, tenant=self.tenant), recovery
 
     def _aopen(self, messages: list[dict[str, str]], sampling: SamplingParams) -> tuple[AsyncDeltaStream, Recovery]:
         recovery = self.plan(messages)
         if recovery.prompt is not None:
             return self.astream_chunked(recovery.prompt, sampling), recovery
+        if self.conversation_id:
+            return self.astream_chunked(self._unchunked(messages), sampling), recovery
         return self._backend.astream_chat(_plain_roles(messages), sampling, tenant=self.tenant), recovery
+
+    def _unchunked(self, messages: list[dict[str, str]]) -> ChunkedPrompt:
+        return ChunkedPrompt(messages=_plain_roles(messages), conversation_id=self.conversation_id)
 
     # --- structured entry points (used by ChunkCachedSynthesizer) -----------------------------
     def stream_chunked(self, prompt: ChunkedPrompt, sampling: SamplingParams | None = None) -> DeltaStream:
