@@ -20,7 +20,7 @@ from engine_sidecar.cptree import CPNode, chain_digest
 from engine_sidecar.fingerprint import token_ids_digest
 from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.policies import Policy
-from engine_sidecar.prompt import Segment
+from engine_sidecar.prompt import AssembledPrompt, Segment
 from engine_sidecar.store.entry import CacheKey, ChunkKV
 from ragcache_integrations.types import ChunkedPrompt
 
@@ -75,11 +75,16 @@ class Planner:
             self._chunks_and_question(out, assembled.segments, history.end, prefix, policy, tenant, prompt,
                                       tree_root=None)
             return out
-        assembled = engine.builder.build(prompt)
+        return self._from_prefix(engine.builder.build(prompt), policy, tenant, prompt, use_prefix_tree)
+
+    def _from_prefix(self, assembled: AssembledPrompt, policy: Policy, tenant: str, prompt: ChunkedPrompt,
+                     use_prefix_tree: bool) -> PlannedRequest:
+        """No kept history: template prefix (exact when stored), then chunks and question."""
+        engine = self.engine
         out = PlannedRequest(FusionPlan([], policy.name))
         prefix = assembled.segments[0]
         span = PlanSpan("prefix", 0, prefix.token_ids, "fresh")
-        if policy.uses_cache:
+        if policy.uses_cache and prefix.token_ids:
             span.cached = engine.store.get(engine._key(prefix.token_ids, tenant, "exact"))
             span.mode = "exact" if span.cached is not None else "fresh"
         out.plan.spans.append(span)
@@ -119,16 +124,7 @@ class Planner:
                     start = end
                 self._chunks_and_question(out, rest, same, assembled.segments[0], policy, tenant, prompt, None)
                 return out
-        out = PlannedRequest(FusionPlan([], policy.name))
-        prefix = assembled.segments[0]
-        span = PlanSpan("prefix", 0, prefix.token_ids, "fresh")
-        if policy.uses_cache and prefix.token_ids:
-            span.cached = engine.store.get(engine._key(prefix.token_ids, tenant, "exact"))
-            span.mode = "exact" if span.cached is not None else "fresh"
-        out.plan.spans.append(span)
-        root = self.root_digest(prefix, tenant) if (use_prefix_tree and policy.uses_cache) else None
-        self._chunks_and_question(out, assembled.segments[1:], span.end, prefix, policy, tenant, prompt, root)
-        return out
+        return self._from_prefix(assembled, policy, tenant, prompt, use_prefix_tree)
 
     def _chunks_and_question(self, out: PlannedRequest, segments: list[Segment], pos: int, prefix: Segment,
                              policy: Policy, tenant: str, prompt: ChunkedPrompt, tree_root: str | None) -> None:
