@@ -29,7 +29,7 @@ from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.planner import PlannedRequest, Planner
 from engine_sidecar.policies import Policy, ReusePolicy, parse_policy
 from engine_sidecar.prompt import PromptBuilder, Segment
-from engine_sidecar.reorder import ChunkAccessTable, check_order
+from engine_sidecar.reorder import ChunkAccessTable, access_key, check_order
 from engine_sidecar.sampling import TextAccumulator, choose_token
 from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.entry import CacheKey, ChunkKV
@@ -228,24 +228,27 @@ class Engine:
 
     def stream(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                policy: str | Policy = "cacheblend", tenant: str = "", order: str = "preserve") -> GenerationStream:
-        prompt, sampling, pol = self._prepare(prompt, sampling, policy, order)
+        prompt, sampling, pol = self._prepare(prompt, sampling, policy, order, tenant)
         return GenerationStream(self._run(prompt, sampling, pol, tenant))
 
     def _prepare(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None,
-                 policy: str | Policy, order: str) -> tuple[ChunkedPrompt, SamplingParams, Policy]:
+                 policy: str | Policy, order: str, tenant: str) -> tuple[ChunkedPrompt, SamplingParams, Policy]:
         prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
         sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
         pol = policy if isinstance(policy, Policy) else parse_policy(policy)
         check_order(order)
-        self.access_table.record([c.id or "" for c in prompt.chunks])
-        if order == "frequency" and prompt.chunks:
-            prompt = prompt.model_copy(update={"chunks": self.access_table.sort(prompt.chunks, lambda c: c.id)})
+        # counts are per tenant: one tenant's traffic must not reorder (or reveal) another's chunks
+        self.access_table.record([access_key(tenant, c.id or "") for c in prompt.chunks])
+        if order == "frequency" and prompt.chunks and prompt.messages is None:
+            # (a verbatim prompt's chunks sit where the app's text put them: it cannot be reordered)
+            prompt = prompt.model_copy(update={"chunks": self.access_table.sort(
+                prompt.chunks, lambda c: access_key(tenant, c.id or ""))})
         return prompt, sampling, pol
 
     def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
                        tenant: str = "", order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
         """Next-token logits after the prompt, and the prefill's stats (for fidelity checks)."""
-        prompt, _, pol = self._prepare(prompt, None, policy, order)
+        prompt, _, pol = self._prepare(prompt, None, policy, order, tenant)
         t0 = time.perf_counter()
         self._validate(prompt, 1)
         with self._lock:

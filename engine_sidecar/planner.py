@@ -21,6 +21,7 @@ from engine_sidecar.fingerprint import token_ids_digest
 from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.policies import Policy
 from engine_sidecar.prompt import AssembledPrompt, Segment
+from engine_sidecar.reorder import access_key
 from engine_sidecar.store.entry import CacheKey, ChunkKV
 from ragcache_integrations.types import ChunkedPrompt
 
@@ -157,7 +158,7 @@ class Planner:
                 # making it a node is free; under fusion it costs a full compute of the chunk, so
                 # it waits for a higher access count.
                 threshold = engine.config.fusion_promote_threshold if policy.fuses else engine.config.promote_threshold
-                if extending and parent is not None and self._promotable(chunk_segs[: i + 1], threshold):
+                if extending and parent is not None and self._promotable(chunk_segs[: i + 1], threshold, tenant):
                     # computed with full attention after exact KV: exact, so it becomes a node
                     node = engine.cptree.insert(parent, digests[i], seg.chunk_id)
                     out.new_nodes.append((len(out.plan.spans), node))
@@ -176,8 +177,8 @@ class Planner:
             out.plan.spans.append(span)
             pos = span.end
 
-    def _promotable(self, segs: list[Segment], threshold: int) -> bool:
-        counts = [self.engine.access_table.count(s.chunk_id or "") for s in segs]
+    def _promotable(self, segs: list[Segment], threshold: int, tenant: str) -> bool:
+        counts = [self.engine.access_table.count(access_key(tenant, s.chunk_id or "")) for s in segs]
         return self.engine.cptree.should_promote(counts, threshold)
 
     def _fuse_or_miss(self, out: PlannedRequest, span: PlanSpan, seg: Segment, prefix: Segment,

@@ -49,6 +49,11 @@ class ChunkAccessTable:
         return sorted(items, key=lambda item: (-self.count(key_of(item)), key_of(item)))
 
 
+def access_key(tenant: str, chunk_id: str) -> str:
+    """The CA-Table key: chunk ids count per tenant."""
+    return f"{tenant}\x00{chunk_id}"
+
+
 def check_order(order: str) -> Order:
     if order not in ("preserve", "frequency"):
         raise InvalidPromptError(f"unknown order '{order}': use preserve or frequency")

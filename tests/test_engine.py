@@ -177,6 +177,18 @@ def test_frequency_order_puts_hot_chunks_first(tiny_engine):
     assert chunk_spans[0]["chunk_id"] == prompt([PASSAGES[2]]).chunks[0].id
 
 
+def test_access_counts_are_per_tenant(tiny_engine):
+    by_id = sorted(prompt(PASSAGES).chunks, key=lambda c: c.id)
+    hot = by_id[-1]  # last by id: only its access count could move it first
+    for _ in range(3):
+        tiny_engine.generate(prompt([hot.text]), {"max_tokens": 1}, tenant="busy")
+    busy = tiny_engine.generate(prompt(PASSAGES), {"max_tokens": 1}, order="frequency", tenant="busy")
+    quiet = tiny_engine.generate(prompt(PASSAGES), {"max_tokens": 1}, order="frequency", tenant="quiet")
+    assert [s["chunk_id"] for s in busy.stats.plan if s["kind"] == "chunk"][0] == hot.id
+    # another tenant's traffic does not reorder this one's chunks: equal counts order by id
+    assert [s["chunk_id"] for s in quiet.stats.plan if s["kind"] == "chunk"] == [c.id for c in by_id]
+
+
 @pytest.mark.parametrize(
     "bad,error",
     [

@@ -97,3 +97,11 @@ def test_a_conversations_next_turn_reuses_its_history_exactly(tiny_engine):
     other = tiny_engine.generate(ChunkedPrompt(messages=second, conversation_id="c1"), {"max_tokens": 2},
                                  policy="prefix", tenant="someone-else")
     assert other.stats.plan[0]["kind"] != "history"  # conversations are per tenant
+
+
+def test_frequency_order_leaves_a_verbatim_prompt_as_written(tiny_engine):
+    for _ in range(3):
+        tiny_engine.generate(verbatim(messages("Where is Kilimanjaro?", first=B, second=A), chunks=(B, A)),
+                             {"max_tokens": 1})
+    result = tiny_engine.generate(verbatim(messages()), {"max_tokens": 1}, order="frequency")
+    assert [s["chunk_id"] for s in result.stats.plan if s["kind"] == "chunk"] == [Chunk(text=A).id, Chunk(text=B).id]
