@@ -41,10 +41,25 @@ def selective_attention(
     gqa = q.shape[1] != k.shape[1]
     if dense_causal and sliding_window is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
+    elif sliding_window is None and _is_long_suffix(query_pos, key_pos):
+        # Queries are the last Tq of Tk consecutive keys (everything after a reused exact prefix).
+        # An explicit mask costs Tq*Tk; the causal kernel skips the upper triangle (Tk*Tk/2), so
+        # when Tq > Tk/2 it is cheaper to pad the queries to all Tk positions and drop the padding.
+        pad = k.shape[0] - q.shape[0]
+        padded = torch.cat([qh.new_zeros(1, qh.shape[1], pad, qh.shape[3]), qh], dim=2)
+        out = F.scaled_dot_product_attention(padded, kh, vh, is_causal=True, enable_gqa=gqa)[:, :, pad:]
     else:
         mask = position_mask(query_pos, key_pos, sliding_window)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)
+
+
+def _is_long_suffix(query_pos: torch.Tensor, key_pos: torch.Tensor) -> bool:
+    tq, tk = query_pos.shape[0], key_pos.shape[0]
+    if not (tk // 2 < tq < tk):
+        return False
+    expected = torch.arange(tk, device=key_pos.device, dtype=key_pos.dtype)
+    return bool(torch.equal(key_pos, expected) and torch.equal(query_pos, expected[tk - tq:]))
 
 
 def segment_ids_from_boundaries(boundaries: torch.Tensor, num_keys: int) -> torch.Tensor:

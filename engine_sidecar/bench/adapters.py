@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from engine_sidecar import Engine
     from ragcache_integrations.llama_index import ChunkCachedLLM
 
-    console = Console()
+    console = Console(width=150)  # the table is wide; rich would fold it at 80 columns off a tty
     items = load_items(args.data, args.n)
     work = Path(tempfile.mkdtemp(prefix="ragcache-bench-adapters-"))
     index, num_nodes = build_index(items, work / "qdrant", args.k)

@@ -1,0 +1,40 @@
+"""The torch reference's fast path for queries that are a long suffix of the keys (everything
+after a reused exact prefix) must equal the explicit-mask computation it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ragcache_kernels.attention import _is_long_suffix, position_mask, selective_attention
+
+
+def masked_reference(q, k, v, query_pos, key_pos):
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=position_mask(query_pos, key_pos),
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("num_keys, prefix, heads, kv_heads", [(37, 5, 4, 4), (50, 24, 8, 1), (301, 1, 9, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_suffix_queries_equal_the_masked_computation(num_keys, prefix, heads, kv_heads, dtype):
+    torch.manual_seed(num_keys)
+    q = torch.randn(num_keys - prefix, heads, 64, dtype=dtype)
+    k, v = (torch.randn(num_keys, kv_heads, 64, dtype=dtype) for _ in range(2))
+    query_pos, key_pos = torch.arange(prefix, num_keys), torch.arange(num_keys)
+    assert _is_long_suffix(query_pos, key_pos)
+    got = selective_attention(q, k, v, query_pos, key_pos)
+    want = masked_reference(q, k, v, query_pos, key_pos)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - want.float()).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("query_pos, num_keys", [
+    (torch.arange(30, 40), 40),                      # short suffix: the mask is cheaper
+    (torch.tensor([1, 2, 3, 5, 6, 7, 8, 9]), 10),   # a gap: not a suffix
+    (torch.arange(2, 9), 10),                        # does not end at the last key
+])
+def test_other_query_sets_keep_the_explicit_mask(query_pos, num_keys):
+    assert not _is_long_suffix(query_pos, torch.arange(num_keys))
