@@ -101,6 +101,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from engine_sidecar.adaptive import R_MAX, measure_costs
+
+    if not 0.0 <= args.r_min <= R_MAX:
+        raise SystemExit("ragcache calibrate: --r-min must be between 0 and 1")
+    if args.repeats < 1:
+        raise SystemExit("ragcache calibrate: --repeats must be at least 1")
+    text = (args.text_file.read_text(encoding="utf-8") if args.text_file else
+            "Retrieved passages are reused across questions; their keys and values are cached. " * 24)
+    with engine_from_args(args) as engine, tempfile.TemporaryDirectory(prefix="ragcache-calibrate-") as work:
+        costs = measure_costs(engine, text, Path(work), repeats=args.repeats)
+    ratios = costs.ratios(r_min=args.r_min)
+    result = {"seconds_per_token": {"compute": costs.compute, "load_ram": costs.load_ram,
+                                    "load_disk": costs.load_disk},
+              "r0": ratios, "r_min": args.r_min}
+    print(f"per token: compute {costs.compute * 1e3:.3f} ms, load from RAM {costs.load_ram * 1e6:.2f} us, "
+          f"load from disk {costs.load_disk * 1e6:.2f} us")
+    print(f"r0 = t_load / (t_compute + t_load), clipped to [{args.r_min}, {R_MAX}]: "
+          f"RAM tier {ratios['ram']:.3f}, disk tier {ratios['disk']:.3f} (use cacheblend:<r0>)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     from engine_sidecar.bench.fidelity import run_fidelity
 
@@ -181,6 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--policy", default="cacheblend", help=POLICY_HELP)
     _engine_args(demo)
     demo.set_defaults(func=cmd_demo)
+
+    cal = sub.add_parser("calibrate", help="measure per-token compute and load costs, print the adaptive "
+                                           "recompute ratio r0 per cache tier")
+    cal.add_argument("--text-file", type=Path, default=None, help="a passage to measure with (default: built in)")
+    cal.add_argument("--repeats", type=int, default=3, help="best of this many measurements (default 3)")
+    cal.add_argument("--r-min", type=float, default=0.15, help="lowest ratio to recommend (default 0.15)")
+    cal.add_argument("--json", type=Path, default=None, help="also write the result here")
+    _engine_args(cal)
+    cal.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", metavar="NAME",
                                                                     required=True)

@@ -1,0 +1,101 @@
+"""Adaptive recompute ratio: how much of a reused chunk to recompute, from what tokens cost here.
+
+Recomputing a token costs t_compute (a prefill step); reusing it costs t_load (bringing its KV
+from the tier it sits in). Recomputing a share r of the tokens hides behind loading the rest as
+long as r·t_compute <= (1-r)·t_load, which gives the pipelined break-even
+    r0 = t_load / (t_compute + t_load),
+clipped to [r_min, r_max] so quality never drops below what r_min buys (CacheBlend's 15%). On a
+fast tier (RAM) r0 is tiny and r_min decides; on a slow disk more recompute is free.
+
+`golden_section_max` refines a ratio on a calibration set when a measured utility (e.g. quality
+minus a TTFT penalty) is unimodal in r.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+R_MIN = 0.15
+R_MAX = 1.0
+_INV_PHI = (math.sqrt(5) - 1) / 2  # 1/golden ratio
+
+
+def initial_ratio(t_compute: float, t_load: float, r_min: float = R_MIN, r_max: float = R_MAX) -> float:
+    """r0 = t_load / (t_compute + t_load), clipped to [r_min, r_max]. Costs are per token."""
+    if t_compute < 0 or t_load < 0 or t_compute + t_load == 0:
+        raise ValueError("per-token costs must be non-negative and not both zero")
+    if not 0.0 <= r_min <= r_max <= 1.0:
+        raise ValueError("need 0 <= r_min <= r_max <= 1")
+    return min(r_max, max(r_min, t_load / (t_compute + t_load)))
+
+
+def golden_section_max(f: Callable[[float], float], lo: float, hi: float, tol: float = 1e-3,
+                       max_evals: int = 64) -> tuple[float, int]:
+    """Argmax of a unimodal f on [lo, hi] to within tol; returns (x, evaluations used).
+
+    Each step keeps the larger of two interior points and shrinks the bracket by 1/phi, reusing
+    one evaluation, so a calibration run costs one measurement per step."""
+    if hi < lo:
+        raise ValueError("need lo <= hi")
+    a, b = lo, hi
+    c, d = b - _INV_PHI * (b - a), a + _INV_PHI * (b - a)
+    fc, fd = f(c), f(d)
+    evals = 2
+    while b - a > tol and evals < max_evals:
+        if fc >= fd:
+            b, d, fd = d, c, fc
+            c = b - _INV_PHI * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + _INV_PHI * (b - a)
+            fd = f(d)
+        evals += 1
+    return (a + b) / 2, evals
+
+
+@dataclass(frozen=True)
+class TokenCosts:
+    """Seconds per token, measured on this machine with this model."""
+
+    compute: float
+    load_ram: float
+    load_disk: float
+
+    def ratios(self, r_min: float = R_MIN, r_max: float = R_MAX) -> dict[str, float]:
+        return {"ram": initial_ratio(self.compute, self.load_ram, r_min, r_max),
+                "disk": initial_ratio(self.compute, self.load_disk, r_min, r_max)}
+
+
+def measure_costs(engine, text: str, work_dir: Path, repeats: int = 3) -> TokenCosts:
+    """Per-token prefill cost (a fresh chunk computed in full) and per-token load cost from RAM
+    (copying the stored KV) and from the disk tier (reading it back), best of `repeats`."""
+    import torch
+
+    from engine_sidecar.store.disk import DiskTier
+    from ragcache_integrations.types import Chunk
+
+    seg = engine.builder.chunk_segment(Chunk(text=text))
+    prefix = engine.builder.prefix_segment("")
+    n = len(seg.token_ids)
+    compute = ram = disk = math.inf
+    tier = DiskTier(work_dir)
+    for i in range(repeats):
+        start = time.perf_counter()
+        entry = engine._compute_chunk_kv(seg, prefix, tenant="calibrate")
+        compute = min(compute, (time.perf_counter() - start) / n)
+        start = time.perf_counter()
+        torch.cat([entry.keys.clone(), entry.values.clone()])
+        ram = min(ram, (time.perf_counter() - start) / n)
+        digest = f"calibrate-{i}"
+        tier.put(digest, entry)
+        tier.flush()
+        start = time.perf_counter()
+        loaded = tier.get(digest)
+        disk = min(disk, (time.perf_counter() - start) / n)
+        assert loaded is not None, "the disk tier lost an entry it just wrote"
+    return TokenCosts(compute, ram, disk)
