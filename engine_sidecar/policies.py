@@ -100,6 +100,49 @@ class EpicPolicy(Policy):
         return active
 
 
+def frequency_scores(keys: torch.Tensor, values: torch.Tensor, cutoff: float = 0.5) -> torch.Tensor:
+    """CacheTune token scores for one cached chunk: keys/values [L, n, Hkv, D] -> [n].
+
+    Per layer, K and V are low-pass filtered along the sequence (rFFT, keep the lowest `cutoff`
+    share of frequencies, inverse rFFT); a token's score is the L2 norm of its low-frequency
+    reconstruction, the mean of the K and V scores, averaged over layers. Tokens carrying the
+    chunk's slowly varying content score high; they are the ones recomputed."""
+    n = keys.shape[1]
+
+    def low_pass_norm(x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(x.float(), dim=1)
+        keep = max(1, math.ceil(cutoff * spectrum.shape[1]))
+        spectrum[:, keep:] = 0
+        return torch.fft.irfft(spectrum, n=n, dim=1).flatten(2).norm(dim=2)  # [L, n]
+
+    return ((low_pass_norm(keys) + low_pass_norm(values)) / 2).mean(dim=0)
+
+
+class CacheTunePolicy(Policy):
+    """CacheTune: recompute, from layer 0, the top-r tokens of each fused chunk by frequency score
+    (`frequency_scores` of its cached K/V); the rest keep their cached KV."""
+
+    name = "cachetune"
+
+    def __init__(self, ratio: float = 0.15, cutoff: float = 0.5):
+        if not 0.0 <= ratio <= 1.0 or not 0.0 < cutoff <= 1.0:
+            raise ValueError("ratio must be in [0, 1] and cutoff in (0, 1]")
+        self.ratio, self.cutoff = ratio, cutoff
+
+    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
+        active = span_masks(plan)[1]
+        for span in plan.spans:
+            if span.mode != "fuse" or span.cached is None:
+                continue
+            budget = math.ceil(self.ratio * len(span) - 1e-9)  # 0.2 * 35 must be 7, not 8
+            if budget == 0:
+                continue
+            scores = frequency_scores(span.cached.keys, span.cached.values, self.cutoff)
+            top = torch.topk(scores, min(budget, len(span))).indices
+            active[span.start + top.cpu()] = True
+        return active
+
+
 class CacheBlendPolicy(Policy):
     """CacheBlend: all fused tokens computed up to the check layer; there the top-r tokens by
     value deviation (recomputed vs cached) are kept and the rest fall back to their cached KV.
@@ -194,6 +237,9 @@ def parse_policy(spec: str) -> Policy:
             return FocusPolicy(float(arg) if arg else 0.15)
         if name == "epic":
             return EpicPolicy(int(arg)) if arg else EpicPolicy()
+        if name == "cachetune":
+            return CacheTunePolicy(float(arg) if arg else 0.15)
     except ValueError as exc:
         raise InvalidPromptError(f"bad argument in policy '{spec}': {exc}") from exc
-    raise InvalidPromptError(f"unknown policy '{spec}': use full, prefix, reuse, cacheblend[:ratio], focus[:ratio] or epic[:k]")
+    raise InvalidPromptError(f"unknown policy '{spec}': use full, prefix, reuse, cacheblend[:ratio], "
+                             "focus[:ratio], epic[:k] or cachetune[:ratio]")
