@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine_sidecar.errors import RagCacheError
 
-POLICY_HELP = "full | prefix | reuse | cacheblend[:ratio] | epic[:k]"
+POLICY_HELP = "full | prefix | reuse | cacheblend[:ratio] | focus[:ratio] | epic[:k] | cachetune[:ratio]"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
