@@ -65,7 +65,7 @@ class GenerateRequest(_Strict):
     prompt: ChunkedPrompt
     sampling: RequestSampling = Field(default_factory=RequestSampling)
     policy: str = Field(default="cacheblend", max_length=64,
-                        description="full | prefix | reuse | cacheblend[:ratio] | focus[:ratio] | epic[:k]")
+                        description="full | prefix | reuse | cacheblend[:ratio] | focus[:ratio] | epic[:k] | cachetune[:ratio]")
     order: Order = "preserve"
     tenant: str | None = _tenant_field()
     stream: bool = False
