@@ -336,6 +336,28 @@ def make_backend(engine: Any = None, base_url: str | None = None, api_key: str |
     return HttpBackend(base_url, api_key=api_key, **http_options)
 
 
+class LastCallMixin:
+    """`.backend`, `.last_stats`, `.last_prompt` for adapters that keep them as private fields."""
+
+    _backend: Backend
+    _last_stats: dict[str, Any]
+    _last_prompt: ChunkedPrompt | None
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """Engine stats of the last call (chunk_hits, chunk_misses, tokens_reused, ttft_s, ...)."""
+        return self._last_stats
+
+    @property
+    def last_prompt(self) -> ChunkedPrompt | None:
+        """The ChunkedPrompt the last call sent; None when it went out as a plain chat."""
+        return self._last_prompt
+
+
 # the stats keys every adapter promises in `.last_stats` and in response metadata
 STATS_KEYS = ("chunk_hits", "chunk_misses", "tokens_reused", "tokens_recomputed", "ttft_s")
 

@@ -25,7 +25,14 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from ragcache_integrations import langchain_observer
-from ragcache_integrations.backend import AsyncDeltaStream, Backend, DeltaStream, make_backend, stats_dict
+from ragcache_integrations.backend import (
+    AsyncDeltaStream,
+    Backend,
+    DeltaStream,
+    LastCallMixin,
+    make_backend,
+    stats_dict,
+)
 from ragcache_integrations.recovery import REGISTRY, Recovery, to_chunked_prompt
 from ragcache_integrations.types import ChunkedPrompt, GenerationResult, SamplingParams
 
@@ -62,7 +69,7 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     return out
 
 
-class ChunkCachedChatModel(BaseChatModel):
+class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
     """Chat model with chunk-level KV reuse. Give exactly one of `engine=` (an in-process
     `engine_sidecar.Engine`) or `base_url=` (a `ragcache serve` sidecar).
 
@@ -118,18 +125,6 @@ class ChunkCachedChatModel(BaseChatModel):
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
         return params
-
-    @property
-    def backend(self) -> Backend:
-        return self._backend
-
-    @property
-    def last_stats(self) -> dict[str, Any]:
-        return self._last_stats
-
-    @property
-    def last_prompt(self) -> ChunkedPrompt | None:
-        return self._last_prompt
 
     def get_num_tokens(self, text: str) -> int:
         # offline, with the model's own tokenizer (LangChain's default would fetch GPT-2's)

@@ -28,7 +28,14 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from ragcache_integrations.backend import AsyncDeltaStream, Backend, DeltaStream, make_backend, stats_dict
+from ragcache_integrations.backend import (
+    AsyncDeltaStream,
+    Backend,
+    DeltaStream,
+    LastCallMixin,
+    make_backend,
+    stats_dict,
+)
 from ragcache_integrations.llama_index import observer
 from ragcache_integrations.recovery import REGISTRY, Recovery, normalize_messages, to_chunked_prompt
 from ragcache_integrations.types import ChunkedPrompt, GenerationResult, SamplingParams
@@ -44,7 +51,7 @@ def _plain_roles(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return normalize_messages(messages) or messages
 
 
-class ChunkCachedLLM(LLM):
+class ChunkCachedLLM(LastCallMixin, LLM):
     """LLM with chunk-level KV reuse. Give exactly one of `engine=` (an in-process
     `engine_sidecar.Engine`) or `base_url=` (a `ragcache serve` sidecar).
 
@@ -88,18 +95,6 @@ class ChunkCachedLLM(LLM):
         return LLMMetadata(context_window=self.context_window or self._backend.context_window,
                            num_output=self.max_tokens, is_chat_model=True, is_function_calling_model=False,
                            model_name=self._backend.model_name)
-
-    @property
-    def backend(self) -> Backend:
-        return self._backend
-
-    @property
-    def last_stats(self) -> dict[str, Any]:
-        return self._last_stats
-
-    @property
-    def last_prompt(self) -> ChunkedPrompt | None:
-        return self._last_prompt
 
     @property
     def tokenizer(self) -> Callable[[str], list[int]]:
