@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+
 from engine_sidecar.errors import InvalidPromptError
 from ragcache_integrations.types import Chunk, ChunkedPrompt, normalize_text
 
@@ -195,15 +197,12 @@ class PromptBuilder:
         """Tokenize `text` once and give each token to the part its first character lies in;
         parts are [0, cuts[0]), [cuts[0], cuts[1]), ... owned by `owners` in order."""
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-        buckets: list[list[int]] = [[] for _ in owners]
-        part = 0
-        for token, (first, _) in zip(ids, offsets, strict=True):
-            while part < len(cuts) and first >= cuts[part]:
-                part += 1
-            buckets[part].append(token)
-        segments = [Segment(kind, tuple(bucket), chunk_id)
-                    for (kind, chunk_id), bucket in zip(owners, buckets, strict=True) if bucket]
+        ids = np.asarray(encoded["input_ids"], dtype=np.int64)
+        firsts = np.asarray([first for first, _ in encoded["offset_mapping"]], dtype=np.int64)
+        # part of each token: how many cuts lie at or before its first character
+        bounds = np.searchsorted(np.searchsorted(cuts, firsts, side="right"), np.arange(len(owners) + 1))
+        segments = [Segment(kind, tuple(ids[lo:hi].tolist()), chunk_id)
+                    for (kind, chunk_id), lo, hi in zip(owners, bounds[:-1], bounds[1:], strict=True) if hi > lo]
         if segments[0].kind != "prefix":  # the planner expects one (a chunk opened the text)
             segments.insert(0, Segment("prefix", ()))
         return AssembledPrompt(segments)
