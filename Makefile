@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ragcache-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo test lint clean-cache vllm-env bench-fidelity bench-workload
+.PHONY: install model demo chatbot browser test lint clean-cache vllm-env bench-fidelity bench-workload
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,24 @@ install: $(STAMP)
 model: install
 	$(BIN)/ragcache model prepare
 
+# The sample chatbot end to end: starts a sidecar, ingests into Qdrant if needed, asks scripted
+# related questions, prints answers, sources and reuse numbers, stops what it started.
 demo: model
-	$(BIN)/ragcache demo
+	$(BIN)/python -m examples.chatbot.demo
 
-test: model
+# The chatbot page (starts its own sidecar; prints the URL).
+PORT ?= 8800
+chatbot: model
+	$(BIN)/python -m examples.chatbot.web --port $(PORT)
+
+# Debian's Chromium for the page's browser test (a system package: installed when we are root
+# with apt; without it that one test skips, and CI, which requires it, fails).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
+	   apt-get install -y -q chromium >/dev/null 2>&1)); } || echo "note: no chromium; the browser test will skip"
+
+test: model browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: install

@@ -3,65 +3,30 @@
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-BANNER = re.compile(r"ragcache serving on (http://\S+)")
+from engine_sidecar.process import SidecarError, SidecarProcess
 
 
-class ServerProcess:
-    """A `python -m engine_sidecar.cli serve` child on 127.0.0.1 (port 0: the OS picks a free one,
-    the banner tells which). Output goes to a file so a full pipe can never stall the server."""
+class ServerProcess(SidecarProcess):
+    """The product's SidecarProcess with the tests' calling convention and a /metrics reader."""
 
     def __init__(self, model_dir: Path, cache_dir: Path, log_path: Path, *extra: str, port: int = 0):
-        self.args = [sys.executable, "-m", "engine_sidecar.cli", "serve", "--model", str(model_dir),
-                     "--port", str(port), "--cache-dir", str(cache_dir), *extra]
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.base = ""
-        self.banner = ""
+        super().__init__(log_path, "--model", str(model_dir), "--cache-dir", str(cache_dir), *extra, port=port,
+                         cwd=Path(__file__).resolve().parents[1])
 
     def start(self, timeout_s: float = 300) -> ServerProcess:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         cwd=Path(__file__).resolve().parents[1])
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited ({self.proc.returncode}):\n{self.log()}")
-            match = BANNER.search(self.log())
-            if match:
-                self.banner = next(line for line in self.log().splitlines() if BANNER.search(line))
-                self.base = match.group(1)
-                if httpx.get(self.base + "/health", timeout=5).status_code == 200:
-                    return self
-            time.sleep(0.2)
-        self.kill()
-        raise AssertionError(f"server did not start:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout_s)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+        try:
+            super().start(timeout_s)
+        except SidecarError as exc:
+            raise AssertionError(str(exc)) from exc
+        return self
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample from /metrics (0 if absent)."""
@@ -73,15 +38,6 @@ class ServerProcess:
                 if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                     return sample.value
         return 0.0
-
-    def __enter__(self) -> ServerProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.stop(timeout_s=30)
-        except subprocess.TimeoutExpired:
-            self.kill()
 
 
 def test_port_zero_banner_names_the_real_address_model_device_dtype_and_tiers(tiny_llama_dir, tmp_path):

@@ -65,8 +65,13 @@ def split_text(doc_id: str, text: str, max_words: int = 180) -> Iterator[DocChun
         yield DocChunk(f"{doc_id}:{start}", doc_id, start, piece)
 
 
-def load_documents(docs: Path | None) -> list[tuple[str, str]]:
-    """(doc id, text) pairs from a folder of .txt/.md files, or the MuSiQue passages."""
+def default_corpus() -> Path:
+    return DEFAULT_CORPUS if DEFAULT_CORPUS.is_file() else BUNDLED_CORPUS
+
+
+def load_documents(docs: Path | None, corpus: Path | None = None) -> list[tuple[str, str]]:
+    """(doc id, text) pairs from a folder of .txt/.md files, or the passages of a QA file
+    (musique_s.json records with `ctxs`, or the bundled demo file); default: the MuSiQue sample."""
     if docs is not None:
         if not docs.is_dir():
             raise SystemExit(f"ingest: error: {docs} is not a folder of .txt/.md files")
@@ -79,26 +84,48 @@ def load_documents(docs: Path | None) -> list[tuple[str, str]]:
         if not out:
             raise SystemExit(f"ingest: error: no .txt or .md files under {docs}")
         return out
-    corpus = DEFAULT_CORPUS if DEFAULT_CORPUS.is_file() else BUNDLED_CORPUS
-    data = json.loads(corpus.read_text(encoding="utf-8"))
-    if isinstance(data, dict):  # the bundled demo file
-        return [(f"demo-{i}", t) for i, t in enumerate(data["passages"])]
+    corpus = corpus or default_corpus()
+    try:
+        data = json.loads(corpus.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"ingest: error: cannot read {corpus}: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("passages"), list):  # the bundled demo file
+        return [(f"demo-{i}", str(t)) for i, t in enumerate(data["passages"])]
     seen: dict[str, str] = {}
-    for record in data:
-        for ctx in record.get("ctxs", []):
-            text = f"{ctx.get('title', '')}\n{ctx['text']}".strip()
-            seen.setdefault(text, f"musique-{len(seen):05d}")
+    for record in data if isinstance(data, list) else []:
+        for ctx in record.get("ctxs", []) if isinstance(record, dict) else []:
+            if isinstance(ctx, dict) and ctx.get("text"):
+                text = f"{ctx.get('title', '')}\n{ctx['text']}".strip()
+                seen.setdefault(text, f"musique-{len(seen):05d}")
+    if not seen:
+        raise SystemExit(f"ingest: error: {corpus} holds no passages: expected records with 'ctxs' "
+                         "(musique_s.json) or an object with 'passages'")
     return [(doc_id, text) for text, doc_id in seen.items()]
 
 
 def open_qdrant(qdrant_path: Path | None = None, qdrant_url: str | None = None):
+    """A Qdrant client for a server URL, or for local mode on a folder. Problems a user can fix
+    (a folder another process holds, a server that does not answer) end in a one-line error."""
     from qdrant_client import QdrantClient
 
     if qdrant_url:
-        return QdrantClient(url=qdrant_url)
+        client = QdrantClient(location=qdrant_url)
+        try:
+            client.get_collections()
+        except Exception as exc:  # the client raises transport-specific types; all mean "not reachable"
+            client.close()
+            raise SystemExit(f"error: the Qdrant server at {qdrant_url} does not answer ({type(exc).__name__}); "
+                             "start it or fix --qdrant-url") from None
+        return client
     path = qdrant_path or default_qdrant_path()
     path.mkdir(parents=True, exist_ok=True)
-    return QdrantClient(path=str(path))
+    try:
+        return QdrantClient(path=str(path))
+    except RuntimeError as exc:
+        if "already accessed" not in str(exc):
+            raise
+        raise SystemExit(f"error: the Qdrant folder {path} is in use by another process (a running chatbot page?); "
+                         "stop it, or point --qdrant-path elsewhere, or use a Qdrant server") from None
 
 
 def embedder():
@@ -132,10 +159,26 @@ def ingest(client, chunks: list[DocChunk], model=None, batch: int = 64, progress
     return client.count(COLLECTION).count
 
 
+def chunk_documents(documents: list[tuple[str, str]], max_words: int = 180) -> list[DocChunk]:
+    return [c for doc_id, text in documents for c in split_text(doc_id, text, max_words)]
+
+
+def ensure_ingested(client, model=None) -> int:
+    """Ingest the default corpus when the collection is missing or empty; returns the point count."""
+    if client.collection_exists(COLLECTION) and client.count(COLLECTION).count > 0:
+        return client.count(COLLECTION).count
+    print("the Qdrant collection is empty: ingesting the default corpus (once)", flush=True)
+    return ingest(client, chunk_documents(load_documents(None)), model)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.chatbot.ingest", description=__doc__.split("\n\n")[0])
-    p.add_argument("--docs", type=Path, default=None,
-                   help="folder of .txt/.md files (default: the MuSiQue passages in ../shared/data)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--docs", type=Path, default=None,
+                        help="folder of .txt/.md files (default: the MuSiQue passages in ../shared/data, or the "
+                        "bundled sample when that file is absent)")
+    source.add_argument("--corpus", type=Path, default=None,
+                        help="a QA file whose passages to ingest (musique_s.json format or examples/data/demo.json)")
     p.add_argument("--qdrant-path", type=Path, default=None, help="Qdrant local-mode folder "
                    "(default: $RAGCACHE_HOME/qdrant)")
     p.add_argument("--qdrant-url", default=None, help="a Qdrant server instead of local mode, e.g. http://127.0.0.1:6333")
@@ -146,8 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    documents = load_documents(args.docs)[: args.limit]
-    chunks = [c for doc_id, text in documents for c in split_text(doc_id, text, args.max_words)]
+    if (args.limit is not None and args.limit < 1) or args.max_words < 1:
+        raise SystemExit("ingest: error: --limit and --max-words must be at least 1")
+    documents = load_documents(args.docs, args.corpus)[: args.limit]
+    chunks = chunk_documents(documents, args.max_words)
     client = open_qdrant(args.qdrant_path, args.qdrant_url)
     try:
         total = ingest(client, chunks)
