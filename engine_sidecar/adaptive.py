@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 R_MIN = 0.15
@@ -71,6 +71,35 @@ class TokenCosts:
                 "disk": initial_ratio(self.compute, self.load_disk, r_min, r_max)}
 
 
+@dataclass
+class CostMeter:
+    """Per-token costs learned from the engine's own requests (exponential moving averages):
+    compute from each prefill's token-layers, load per tier from copying cached KV into the
+    request's buffer (RAM) and from reading it back from the disk tier. `ratio` turns them into
+    r0 for policies asked for `:auto`."""
+
+    weight: float = 0.2  # of the newest observation
+    compute: float | None = None
+    load: dict[str, float] = field(default_factory=dict)
+
+    def _blend(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.weight) * old + self.weight * new
+
+    def observe_compute(self, seconds: float, tokens: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.compute = self._blend(self.compute, seconds / tokens)
+
+    def observe_load(self, tier: str, seconds: float, tokens: int) -> None:
+        if tokens > 0 and seconds >= 0:
+            self.load[tier] = self._blend(self.load.get(tier), seconds / tokens)
+
+    def ratio(self, tier: str, r_min: float = R_MIN, r_max: float = R_MAX) -> float:
+        """r0 for KV coming from `tier`; r_min until both costs have been seen."""
+        if self.compute is None or tier not in self.load:
+            return r_min
+        return initial_ratio(self.compute, self.load[tier], r_min, r_max)
+
+
 def measure_costs(engine, text: str, work_dir: Path, repeats: int = 3) -> TokenCosts:
     """Per-token prefill cost (a fresh chunk computed in full) and per-token load cost from RAM
     (copying the stored KV) and from the disk tier (reading it back), best of `repeats`."""
@@ -99,3 +128,46 @@ def measure_costs(engine, text: str, work_dir: Path, repeats: int = 3) -> TokenC
         disk = min(disk, (time.perf_counter() - start) / n)
         assert loaded is not None, "the disk tier lost an entry it just wrote"
     return TokenCosts(compute, ram, disk)
+
+
+@dataclass
+class Refinement:
+    """`ragcache calibrate --data`: the ratio that maximized quality - penalty * TTFT share."""
+
+    ratio: float
+    evaluations: list[dict[str, float]]
+    penalty: float
+
+
+def refine_ratio(engine, prompts: list, lo: float, hi: float, penalty: float = 0.5, max_tokens: int = 16,
+                 tol: float = 0.05, max_evals: int = 8, on_eval: Callable[[dict[str, float]], None] | None = None
+                 ) -> Refinement:
+    """Golden-section search over the CacheBlend ratio r in [lo, hi] on calibration prompts.
+
+    Utility(r) = mean ROUGE-L of the answer vs full prefill's - penalty * mean(TTFT / full TTFT),
+    measured side by side (full prefill of every prompt is timed once up front, the chunks are
+    warmed, and each r answers every prompt). Quality rises with r and so does TTFT, so the
+    utility is close to unimodal; noise in TTFT can still move the answer by about `tol`."""
+    from engine_sidecar.bench.metrics import rouge_l
+
+    sampling = {"max_tokens": max_tokens}
+    full = [engine.generate(p, sampling, policy="full") for p in prompts]
+    for p in prompts:
+        engine.warm(p.chunks, system=p.system)
+    evaluations: list[dict[str, float]] = []
+
+    def utility(r: float) -> float:
+        quality, share = [], []
+        for p, reference in zip(prompts, full, strict=True):
+            result = engine.generate(p, sampling, policy=f"cacheblend:{r}")
+            quality.append(rouge_l(result.text, reference.text))
+            share.append(result.stats.ttft_s / max(reference.stats.ttft_s, 1e-9))
+        row = {"ratio": r, "rouge_l_vs_full": sum(quality) / len(quality), "ttft_vs_full": sum(share) / len(share)}
+        row["utility"] = row["rouge_l_vs_full"] - penalty * row["ttft_vs_full"]
+        evaluations.append(row)
+        if on_eval is not None:
+            on_eval(row)
+        return row["utility"]
+
+    best, _ = golden_section_max(utility, lo, hi, tol=tol, max_evals=max_evals)
+    return Refinement(best, evaluations, penalty)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine_sidecar.errors import RagCacheError
 
-POLICY_HELP = "full | prefix | reuse | cacheblend[:ratio] | focus[:ratio] | epic[:k] | cachetune[:ratio]"
+POLICY_HELP = "full | prefix | reuse | cacheblend[:ratio] | focus[:ratio] | epic[:k] | cachetune[:ratio] | cachecraft[:alpha]"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -104,24 +104,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import tempfile
 
-    from engine_sidecar.adaptive import R_MAX, measure_costs
+    from engine_sidecar.adaptive import R_MAX, measure_costs, refine_ratio
 
     if not 0.0 <= args.r_min <= R_MAX:
         raise SystemExit("ragcache calibrate: --r-min must be between 0 and 1")
-    if args.repeats < 1:
-        raise SystemExit("ragcache calibrate: --repeats must be at least 1")
+    if args.repeats < 1 or args.n < 1 or args.k < 1 or args.max_evals < 2:
+        raise SystemExit("ragcache calibrate: --repeats, --n and --k must be at least 1, --max-evals at least 2")
+    records = None
+    if args.data is not None:
+        from engine_sidecar.bench.datasets import load_dataset
+        from engine_sidecar.bench.fidelity import chunk_texts
+
+        records = load_dataset(args.data)[: args.n]
+        args.no_prefix_tree = True  # repeated prompts must not turn into exact prefix hits
     text = (args.text_file.read_text(encoding="utf-8") if args.text_file else
             "Retrieved passages are reused across questions; their keys and values are cached. " * 24)
     with engine_from_args(args) as engine, tempfile.TemporaryDirectory(prefix="ragcache-calibrate-") as work:
         costs = measure_costs(engine, text, Path(work), repeats=args.repeats)
-    ratios = costs.ratios(r_min=args.r_min)
-    result = {"seconds_per_token": {"compute": costs.compute, "load_ram": costs.load_ram,
-                                    "load_disk": costs.load_disk},
-              "r0": ratios, "r_min": args.r_min}
-    print(f"per token: compute {costs.compute * 1e3:.3f} ms, load from RAM {costs.load_ram * 1e6:.2f} us, "
-          f"load from disk {costs.load_disk * 1e6:.2f} us")
-    print(f"r0 = t_load / (t_compute + t_load), clipped to [{args.r_min}, {R_MAX}]: "
-          f"RAM tier {ratios['ram']:.3f}, disk tier {ratios['disk']:.3f} (use cacheblend:<r0>)")
+        ratios = costs.ratios(r_min=args.r_min)
+        print(f"per token: compute {costs.compute * 1e3:.3f} ms, load from RAM {costs.load_ram * 1e6:.2f} us, "
+              f"load from disk {costs.load_disk * 1e6:.2f} us")
+        print(f"r0 = t_load / (t_compute + t_load), clipped to [{args.r_min}, {R_MAX}]: "
+              f"RAM tier {ratios['ram']:.3f}, disk tier {ratios['disk']:.3f} (use cacheblend:<r0>, or "
+              "cacheblend:auto to let the engine apply it from its running measurements)")
+        result: dict = {"seconds_per_token": {"compute": costs.compute, "load_ram": costs.load_ram,
+                                              "load_disk": costs.load_disk}, "r0": ratios, "r_min": args.r_min}
+        if records is not None:
+            from ragcache_integrations.types import ChunkedPrompt
+
+            prompts = [ChunkedPrompt(chunks=chunk_texts(r, args.k), question=r["question"]) for r in records]
+            print(f"golden-section search over r in [{args.r_min}, 1] on {len(prompts)} questions "
+                  f"(utility = ROUGE-L vs full - {args.penalty} x TTFT/full):")
+            refined = refine_ratio(engine, prompts, args.r_min, 1.0, penalty=args.penalty, max_tokens=args.max_tokens,
+                                   max_evals=args.max_evals,
+                                   on_eval=lambda row: print(f"  r {row['ratio']:.3f}: ROUGE-L {row['rouge_l_vs_full']:.3f}, "
+                                                             f"TTFT/full {row['ttft_vs_full']:.3f}, "
+                                                             f"utility {row['utility']:.3f}", flush=True))
+            print(f"refined ratio: {refined.ratio:.3f} (use cacheblend:{refined.ratio:.2f})")
+            result["refined"] = {"ratio": refined.ratio, "penalty": refined.penalty,
+                                 "evaluations": refined.evaluations, "data": str(args.data), "n": len(prompts)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
@@ -210,11 +231,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     cal = sub.add_parser("calibrate", help="measure per-token compute and load costs, print the adaptive "
-                                           "recompute ratio r0 per cache tier")
+                                           "recompute ratio r0 per cache tier; with --data, refine it by "
+                                           "golden-section search on a calibration set")
     cal.add_argument("--text-file", type=Path, default=None, help="a passage to measure with (default: built in)")
     cal.add_argument("--repeats", type=int, default=3, help="best of this many measurements (default 3)")
     cal.add_argument("--r-min", type=float, default=0.15, help="lowest ratio to recommend (default 0.15)")
     cal.add_argument("--json", type=Path, default=None, help="also write the result here")
+    cal.add_argument("--data", default=None, help="calibration set (musique_s.json format or 'fanoutqa'): refine "
+                     "the ratio by golden-section search on it")
+    cal.add_argument("--n", type=int, default=5, help="calibration questions (default 5)")
+    cal.add_argument("--k", type=int, default=4, help="chunks per question (default 4)")
+    cal.add_argument("--penalty", type=float, default=0.5, help="utility = quality - penalty x TTFT/full (default 0.5)")
+    cal.add_argument("--max-evals", type=int, default=8, help="ratios tried by the search (default 8)")
+    cal.add_argument("--max-tokens", type=int, default=16, help="answer length while calibrating (default 16)")
     _engine_args(cal)
     cal.set_defaults(func=cmd_calibrate)
 
@@ -224,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Reads {question, answers, ctxs:[{title,text}]} records (JSON list or "
                                        "JSONL), uses the first K ctxs as chunks (all warm), runs each policy and "
                                        "reports EM/F1 vs gold, ROUGE-L and first-token agreement vs full, TTFT.")
-    fid.add_argument("--data", type=Path, required=True)
+    fid.add_argument("--data", required=True, help="musique_s.json-format file, or 'fanoutqa' (the FanOutQA dev "
+                     "set shipped in the fanoutqa wheel, assembled into passages; docs/benchmarks.md)")
     fid.add_argument("--n", type=int, default=20, help="number of questions")
     fid.add_argument("--k", type=int, default=4, help="chunks per question")
     fid.add_argument("--policies", default="full,reuse,cacheblend:0.15,epic:16", help="comma list of " + POLICY_HELP)

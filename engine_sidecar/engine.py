@@ -17,6 +17,8 @@ from typing import Literal
 
 import torch
 
+from engine_sidecar.adaptive import CostMeter
+from engine_sidecar.cachecraft import Variant, VariantIndex, prefix_context
 from engine_sidecar.conversation import Conversation, ConversationStore
 from engine_sidecar.cptree import CPTree
 from engine_sidecar.errors import PromptTooLongError
@@ -65,6 +67,8 @@ class EngineConfig:
     conversation_dedup: bool = True  # drop chunks a conversation already holds from its next turn
     conversation_ttl_s: float = 900.0
     conversation_max_tokens: int = 6144
+    cachecraft_variants_per_chunk: int = 4  # Cache-Craft's M
+    cachecraft_max_chunks: int = 1024  # Cache-Craft's N: N * M variants in all
 
 
 class GenerationStream:
@@ -99,6 +103,9 @@ class Engine:
         self.access_table = ChunkAccessTable(config.ca_window)
         self.conversations = ConversationStore(config.conversation_ttl_s, config.conversation_max_tokens)
         self.planner = Planner(self)
+        self.variants = VariantIndex(config.cachecraft_variants_per_chunk, config.cachecraft_max_chunks)
+        self.costs = CostMeter()
+        store.on_disk_load = lambda seconds, tokens: self.costs.observe_load("disk", seconds, tokens)
         self.cptree = CPTree(lambda node: self.store.contains(self.planner.node_key(node)), config.promote_threshold)
 
     @classmethod
@@ -252,8 +259,10 @@ class Engine:
         t0 = time.perf_counter()
         self._validate(prompt, 1)
         with self._lock:
-            planned = self.planner.plan(prompt, pol, tenant, self.config.prefix_tree, self.config.conversation_dedup)
-            result = fused_prefill(self.runner, planned.plan, pol)
+            planned = self._plan(prompt, pol, tenant)
+            started = time.perf_counter()
+            result = fused_prefill(self.runner, planned.plan, pol, observer=planned.observer())
+            self._observe_costs(result, time.perf_counter() - started)
             self._learn(planned, result, tenant)
         assert result.logits is not None
         return result.logits, self._stats(planned, result, time.perf_counter() - t0, pol, {})
@@ -300,12 +309,11 @@ class Engine:
         times["tokenize_s"] = time.perf_counter() - t0
         with self._lock:
             t1 = time.perf_counter()
-            planned = self.planner.plan(prompt, policy, tenant, self.config.prefix_tree, self.config.conversation_dedup)
+            planned = self._plan(prompt, policy, tenant)
             if planned.plan.num_tokens + sampling.max_tokens > self.max_context and planned.conversation:
                 # the history no longer fits: drop the conversation whole and start over
                 self.conversations.drop(tenant, prompt.conversation_id or "")
-                planned = self.planner.plan(prompt, policy, tenant, self.config.prefix_tree,
-                                            self.config.conversation_dedup)
+                planned = self._plan(prompt, policy, tenant)
                 planned.plan.notes.append("conversation evicted: history over the context window")
             times["plan_s"] = time.perf_counter() - t1
             yield from self._decode_loop(planned, sampling, policy, tenant, prompt, t0, times)
@@ -318,8 +326,10 @@ class Engine:
                      times: dict[str, float]) -> Iterator[str | GenerationResult]:
         t2 = time.perf_counter()
         total = planned.plan.num_tokens
-        result = fused_prefill(self.runner, planned.plan, policy, capacity=total + sampling.max_tokens + 1)
+        result = fused_prefill(self.runner, planned.plan, policy, capacity=total + sampling.max_tokens + 1,
+                               observer=planned.observer())
         times["prefill_s"] = time.perf_counter() - t2
+        self._observe_costs(result, times["prefill_s"])
         self._learn(planned, result, tenant)
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed) if sampling.seed is not None else None
         assert result.logits is not None
@@ -367,6 +377,23 @@ class Engine:
         self.conversations.put(Conversation(tenant, prompt.conversation_id or "", prompt.system, history, chunk_ids,
                                             turns=(previous.turns + 1) if previous else 1))
 
+    def _plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str) -> PlannedRequest:
+        disk_hits = self.store.hits_disk
+        planned = self.planner.plan(prompt, policy, tenant, self.config.prefix_tree, self.config.conversation_dedup)
+        if policy.auto:
+            # r0 for the slowest tier this request's cached KV came from (adaptive.py)
+            tier = "disk" if self.store.hits_disk > disk_hits else "ram"
+            policy.ratio = self.costs.ratio(tier)  # type: ignore[attr-defined]
+            compute = f"{self.costs.compute * 1e3:.3f} ms" if self.costs.compute is not None else "not measured yet"
+            load = f"{self.costs.load[tier] * 1e6:.2f} us" if tier in self.costs.load else "not measured yet"
+            planned.plan.notes.append(f"auto ratio {policy.ratio:.3f} for the {tier} tier "  # type: ignore[attr-defined]
+                                      f"(per token: compute {compute}, load {load})")
+        return planned
+
+    def _observe_costs(self, result: PrefillResult, prefill_s: float) -> None:
+        self.costs.observe_load("ram", result.load_s, result.loaded_tokens)
+        self.costs.observe_compute(prefill_s - result.load_s, result.token_layers_computed / self.runner.num_layers)
+
     def _learn(self, planned: PlannedRequest, result: PrefillResult, tenant: str) -> None:
         """Keep what this request computed exactly: the template prefix, new CP-Tree nodes, and
         under the after-prefix convention a first chunk computed fresh right after the prefix."""
@@ -382,6 +409,15 @@ class Engine:
                     self._store_span(result.kv, nxt, tenant, "after:" + token_ids_digest(list(first.token_ids)))
         for index, node in planned.new_nodes:
             self._store_span(result.kv, plan.spans[index], tenant, "path:" + node.path_digest)
+        for rec in planned.craft:  # Cache-Craft: chunks computed in this request's context become variants
+            span = plan.spans[rec.span_index]
+            context = prefix_context(rec.prefix)
+            self._store_span(result.kv, span, tenant, context)
+            variant = Variant(tenant, rec.chunk_digest, rec.prefix, rec.cci, rec.inter,
+                              self._key(span.token_ids, tenant, context))
+            for evicted in self.variants.add(variant):
+                if evicted.key != variant.key:
+                    self.store.remove(evicted.key)
 
     def _stats(self, planned: PlannedRequest, result: PrefillResult, ttft: float,
                policy: Policy, times: dict[str, float]) -> GenerationStats:
@@ -408,6 +444,8 @@ class Engine:
     # --- housekeeping ------------------------------------------------------------------------
     def clear_cache(self, chunk_id: str | None = None) -> int:
         with self._lock:
+            if chunk_id is None:
+                self.variants.clear()
             return self.store.delete(chunk_id)
 
     def close(self) -> None:

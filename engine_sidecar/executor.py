@@ -9,6 +9,8 @@ Tokens not active keep their cached KV, which is what makes reuse cheap.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +59,8 @@ class PrefillResult:
     token_layers_computed: int  # sum over layers of active tokens: the honest compute share
     fused_tokens_recomputed: int  # fused (cached) tokens still recomputed at the last layer
     fused_tokens: int
+    load_s: float = 0.0  # copying cached KV into the buffer
+    loaded_tokens: int = 0
 
 
 @torch.inference_mode()
@@ -66,7 +70,10 @@ def fused_prefill(
     policy: Policy,
     capacity: int | None = None,
     need_logits: bool = True,
+    observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> PrefillResult:
+    """Run the plan. `observer(layer, rotated queries [A,H,D], active positions [A], rotated keys
+    [n,Hkv,D])` sees each layer's attention inputs (Cache-Craft records chunk statistics)."""
     n = plan.num_tokens
     device = runner.device
     kv = KVBuffer.allocate(runner, max(capacity or n, n))
@@ -75,11 +82,13 @@ def fused_prefill(
     cos, sin = runner.rope_tables(positions)
 
     has_cache = torch.zeros(n, dtype=torch.bool)
+    load_started = time.perf_counter()
     for span in plan.spans:
         if span.cached is not None and span.mode != "fresh":
             kv.keys_pre[:, span.start : span.end] = span.cached.keys
             kv.values[:, span.start : span.end] = span.cached.values
             has_cache[span.start : span.end] = True
+    load_s = time.perf_counter() - load_started
     fused = torch.zeros(n, dtype=torch.bool)
     for span in plan.spans:
         if span.mode == "fuse":
@@ -95,7 +104,8 @@ def fused_prefill(
         qkv = runner.qkv(layer, hidden)
         keep = policy.refine(
             LayerView(layer, active, must_keep, qkv.k, qkv.v, kv.keys_pre[layer, active], kv.values[layer, active],
-                      runner.num_layers, qkv.q, lambda x, idx: apply_rope(x, cos[idx], sin[idx]))
+                      runner.num_layers, qkv.q, lambda x, idx: apply_rope(x, cos[idx], sin[idx]),
+                      kv.keys_pre[layer, :n])
         )
         if keep is not None and not bool(keep.all()):
             keep = keep.to(device)
@@ -107,6 +117,8 @@ def fused_prefill(
         dispatch.scatter_rows(kv.values[layer], active, qkv.v)
         dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n])
         q = apply_rope(qkv.q, cos[active], sin[active])
+        if observer is not None:
+            observer(layer, q, active, kv.keys[layer, :n])
         dense = active.shape[0] == n
         attn = runner.attention(q, kv.keys[layer, :n], kv.values[layer, :n], positions[active], positions, dense)
         hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn))
@@ -118,7 +130,7 @@ def fused_prefill(
             raise AssertionError("the last prompt token must stay active to produce logits")
         logits = runner.logits(hidden[-1:])[0]
     recomputed = int(fused[active.cpu()].sum())
-    return PrefillResult(logits, kv, token_layers, recomputed, int(fused.sum()))
+    return PrefillResult(logits, kv, token_layers, recomputed, int(fused.sum()), load_s, int(has_cache.sum()))
 
 
 @torch.inference_mode()

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from engine_sidecar.store.entry import ChunkKV
 
 SpanMode = Literal["exact", "fuse", "fresh"]
@@ -22,6 +24,7 @@ class PlanSpan:
     mode: SpanMode  # exact: cached at these very positions; fuse: cached elsewhere; fresh: no cache
     cached: ChunkKV | None = None
     chunk_id: str | None = None
+    recompute: torch.Tensor | None = None  # local token indices a policy recomputes (Cache-Craft)
 
     @property
     def end(self) -> int:

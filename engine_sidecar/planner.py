@@ -15,11 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine_sidecar.cachecraft import AttentionRecorder, RecordedChunk, tokens_to_recompute
 from engine_sidecar.conversation import Conversation
 from engine_sidecar.cptree import CPNode, chain_digest
 from engine_sidecar.fingerprint import token_ids_digest
 from engine_sidecar.plan import FusionPlan, PlanSpan
-from engine_sidecar.policies import Policy
+from engine_sidecar.policies import CacheCraftPolicy, Policy
 from engine_sidecar.prompt import AssembledPrompt, Segment
 from engine_sidecar.reorder import access_key
 from engine_sidecar.store.entry import CacheKey, ChunkKV
@@ -39,6 +40,10 @@ class PlannedRequest:
     conversation: Conversation | None = None
     dropped_chunk_ids: list[str] = field(default_factory=list)
     chunk_ids: list[str] = field(default_factory=list)
+    craft: list[RecordedChunk] = field(default_factory=list)  # Cache-Craft chunks to record as variants
+
+    def observer(self) -> AttentionRecorder | None:
+        return AttentionRecorder(self.craft) if self.craft else None
 
 
 class Planner:
@@ -170,7 +175,9 @@ class Planner:
                         extending = False  # fusion policies extend the path by one chunk per request
                     continue
                 extending = False
-                if policy.uses_cache and policy.fuses:
+                if isinstance(policy, CacheCraftPolicy):
+                    self._craft(out, span, digests[i], tuple(digests[:i]), tenant, policy)
+                elif policy.uses_cache and policy.fuses:
                     self._fuse_or_miss(out, span, seg, prefix, tenant)
                 else:
                     out.misses += int(policy.uses_cache)
@@ -180,6 +187,31 @@ class Planner:
     def _promotable(self, segs: list[Segment], threshold: int, tenant: str) -> bool:
         counts = [self.engine.access_table.count(access_key(tenant, s.chunk_id or "")) for s in segs]
         return self.engine.cptree.should_promote(counts, threshold)
+
+    def _craft(self, out: PlannedRequest, span: PlanSpan, digest: str, prior: tuple[str, ...], tenant: str,
+               policy: CacheCraftPolicy) -> None:
+        """Cache-Craft: reuse the chunk's lowest-CFO variant, or compute the chunk in this
+        request's context and record it as a new variant."""
+        engine = self.engine
+        while (choice := engine.variants.choose(tenant, digest, prior, policy.alpha)) is not None:
+            if choice.cfo >= policy.fresh_above:
+                out.plan.notes.append(f"cachecraft {span.chunk_id or digest[:8]}: best CFO {choice.cfo:.2f} "
+                                      f">= {policy.fresh_above}: computed here, kept as a new variant")
+                break
+            cached = engine.store.get(choice.variant.key)
+            if cached is not None:
+                span.cached, span.mode = cached, "fuse"
+                span.recompute = tokens_to_recompute(choice.variant.inter, choice.cfo)
+                engine.variants.reward(choice.variant, choice.cfo)
+                out.hits += 1
+                out.plan.notes.append(
+                    f"cachecraft {span.chunk_id or digest[:8]}: CCI {choice.variant.cci:.2f}, beta {choice.beta:.2f}, "
+                    f"gamma {choice.gamma:.2f}, CFO {choice.cfo:.2f} -> {len(span.recompute)}/{len(span)} tokens")
+                return
+            engine.variants.discard(choice.variant)  # its KV left the store
+        out.misses += 1
+        prior_spans = [(s.start, s.end) for s in out.plan.spans if s.kind == "chunk"]
+        out.craft.append(RecordedChunk(len(out.plan.spans), (span.start, span.end), prior_spans, prior, digest))
 
     def _fuse_or_miss(self, out: PlannedRequest, span: PlanSpan, seg: Segment, prefix: Segment,
                       tenant: str) -> None:

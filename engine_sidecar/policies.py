@@ -30,6 +30,9 @@ class LayerView:
     num_layers: int = 0
     new_queries: torch.Tensor | None = None  # [A, H, D] before RoPE
     rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (x, global idx) -> rotated
+    # [T, Hkv, D] pre-RoPE keys of every prompt token as the buffer holds them before this layer's
+    # update (cached where not active; rows of active tokens are stale and must be replaced)
+    all_keys_pre: torch.Tensor | None = None
 
 
 def span_masks(plan: FusionPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +51,8 @@ class Policy:
     name = "policy"
     uses_cache = True  # looks up cached KV at all
     fuses = True  # places cached chunk KV at new positions (else only exact prefix reuse)
+    # `ratio` is set by the engine per request from measured costs (`<policy>:auto`, adaptive.py)
+    auto = False
 
     def initial_active(self, plan: FusionPlan) -> torch.Tensor:
         """Bool mask [T]; must include every fresh token."""
@@ -218,8 +223,75 @@ class FocusPolicy(CacheBlendPolicy):
         return keep
 
 
+class CacheCraftPolicy(Policy):
+    """Cache-Craft: each fused chunk's variant was chosen by the planner at the lowest CFO, and
+    its top ceil(CFO |C|) tokens by inter-attention are recomputed from layer 0
+    (`PlanSpan.recompute`). With early termination (Algorithm 1), the question's attention over
+    the fused chunks is checked per layer; once the set of focused chunks is the same for
+    `window` layers, unfocused chunks stop being recomputed. When even the best variant's CFO
+    reaches `fresh_above`, the chunk is computed in this request's context and becomes another
+    variant."""
+
+    name = "cachecraft"
+
+    def __init__(self, alpha: float = 1.0, window: int = 3, early_stop: bool = True, fresh_above: float = 0.8):
+        if alpha < 0 or window < 1:
+            raise ValueError("alpha must be >= 0 and window >= 1")
+        self.alpha, self.window, self.early_stop = alpha, window, early_stop
+        # a best variant this costly to fix is not worth it: compute the chunk in this context
+        # instead and keep the result as a new variant
+        self.fresh_above = fresh_above
+        self.stopped_at: int | None = None
+        self._question = torch.zeros(0, dtype=torch.bool)
+        self._chunks: list[tuple[int, int]] = []
+        self._history: list[frozenset[int]] = []
+
+    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
+        active = span_masks(plan)[1]
+        self._question = torch.zeros(plan.num_tokens, dtype=torch.bool)
+        self._chunks, self._history, self.stopped_at = [], [], None
+        for span in plan.spans:
+            if span.kind == "question":
+                self._question[span.start : span.end] = True
+            if span.mode == "fuse":
+                self._chunks.append((span.start, span.end))
+                if span.recompute is not None and len(span.recompute):
+                    active[span.start + span.recompute] = True
+        return active
+
+    def refine(self, view: LayerView) -> torch.Tensor | None:
+        from engine_sidecar.cachecraft import focused_chunks, termination_layer
+
+        if not self.early_stop or self.stopped_at is not None or len(self._chunks) < 2:
+            return None
+        assert view.new_queries is not None and view.rope is not None and view.all_keys_pre is not None
+        readers = self._question[view.active.cpu()].to(view.active.device)
+        if not bool(readers.any()):
+            return None
+        n = view.all_keys_pre.shape[0]
+        keys = view.all_keys_pre.clone()
+        keys[view.active] = view.new_keys
+        positions = torch.arange(n, device=keys.device)
+        k = view.rope(keys, positions).float()
+        q = view.rope(view.new_queries[readers], view.active[readers]).float()
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        logits = torch.einsum("rhd,khd->hrk", q, k) / math.sqrt(q.shape[-1])
+        visible = positions[None, :] <= view.active[readers][:, None]
+        mass = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=(0, 1)).cpu()
+        self._history.append(focused_chunks([float(mass[s:e].sum()) for s, e in self._chunks]))
+        if not termination_layer(self._history, self.window):
+            return None
+        self.stopped_at = view.layer
+        unfocused = torch.zeros(n, dtype=torch.bool)
+        for i, (s, e) in enumerate(self._chunks):
+            if i not in self._history[-1]:
+                unfocused[s:e] = True
+        return view.must_keep | ~unfocused[view.active.cpu()].to(view.active.device)
+
+
 def parse_policy(spec: str) -> Policy:
-    """'full', 'prefix', 'reuse', 'cacheblend', 'cacheblend:0.3', 'cacheblend:0.3:gradual', 'epic:16'."""
+    """'full', 'prefix', 'reuse', 'cacheblend', 'cacheblend:0.3', 'cacheblend:0.3:gradual', 'cacheblend:auto',
+    'epic:16', 'cachetune:0.15', 'cachetune:auto', 'cachecraft:1', 'cachecraft:1:nostop'."""
     name, _, arg = spec.partition(":")
     arg, _, flag = arg.partition(":")
     try:
@@ -232,14 +304,22 @@ def parse_policy(spec: str) -> Policy:
         if name == "cacheblend":
             if flag not in ("", "gradual"):
                 raise ValueError(f"unknown cacheblend option '{flag}' (only 'gradual')")
-            return CacheBlendPolicy(float(arg) if arg else 0.15, gradual=flag == "gradual")
+            blend = CacheBlendPolicy(0.15 if arg in ("", "auto") else float(arg), gradual=flag == "gradual")
+            blend.auto = arg == "auto"
+            return blend
         if name == "focus":
             return FocusPolicy(float(arg) if arg else 0.15)
         if name == "epic":
             return EpicPolicy(int(arg)) if arg else EpicPolicy()
         if name == "cachetune":
-            return CacheTunePolicy(float(arg) if arg else 0.15)
+            tune = CacheTunePolicy(0.15 if arg in ("", "auto") else float(arg))
+            tune.auto = arg == "auto"
+            return tune
+        if name == "cachecraft":
+            if flag not in ("", "nostop"):
+                raise ValueError(f"unknown cachecraft option '{flag}' (only 'nostop')")
+            return CacheCraftPolicy(float(arg) if arg else 1.0, early_stop=flag != "nostop")
     except ValueError as exc:
         raise InvalidPromptError(f"bad argument in policy '{spec}': {exc}") from exc
-    raise InvalidPromptError(f"unknown policy '{spec}': use full, prefix, reuse, cacheblend[:ratio], "
-                             "focus[:ratio], epic[:k] or cachetune[:ratio]")
+    raise InvalidPromptError(f"unknown policy '{spec}': use full, prefix, reuse, cacheblend[:ratio|auto], "
+                             "focus[:ratio], epic[:k], cachetune[:ratio|auto] or cachecraft[:alpha[:nostop]]")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from engine_sidecar.adaptive import golden_section_max, initial_ratio, measure_costs
+from engine_sidecar.adaptive import CostMeter, golden_section_max, initial_ratio, measure_costs
 
 
 @pytest.mark.parametrize("t_compute, t_load, expected", [
@@ -59,10 +59,54 @@ def test_measured_costs_are_positive_and_give_ratios_in_bounds(tiny_engine, tmp_
 
 
 @pytest.mark.parametrize("argv, message", [(["--r-min", "3"], "--r-min must be between 0 and 1"),
-                                           (["--repeats", "0"], "--repeats must be at least 1")])
+                                           (["--repeats", "0"], "--repeats, --n and --k must be at least 1, --max-evals at least 2"),
+                                           (["--max-evals", "1"], "--repeats, --n and --k must be at least 1, --max-evals at least 2")])
 def test_calibrate_rejects_bad_options_in_one_line(argv, message):
     from engine_sidecar.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["calibrate", *argv])
     assert str(exit_info.value) == f"ragcache calibrate: {message}"
+
+
+def test_cost_meter_averages_and_gives_r0_per_tier():
+    meter = CostMeter(weight=0.5)
+    assert meter.ratio("disk") == 0.15  # nothing measured yet: r_min
+    meter.observe_compute(2.0, 1000)  # 2 ms/token
+    meter.observe_compute(4.0, 1000)  # EMA with weight 0.5: 3 ms/token
+    assert meter.compute == pytest.approx(3e-3)
+    meter.observe_load("disk", 1.0, 1000)  # 1 ms/token
+    assert meter.ratio("disk") == pytest.approx(1 / 4)  # t_load / (t_compute + t_load)
+    assert meter.ratio("ram") == 0.15
+    meter.observe_load("ram", 0.0, 0)  # nothing loaded: ignored
+    assert "ram" not in meter.load
+
+
+def test_auto_ratio_comes_from_the_engines_own_measurements(tiny_engine):
+    chunks = ["The Amazon river flows through Brazil into the Atlantic Ocean. " * 3,
+              "The Danube flows through ten countries into the Black Sea. " * 3]
+    first = tiny_engine.generate({"chunks": chunks, "question": "Where?"}, {"max_tokens": 1}, policy="cacheblend:auto")
+    assert any(n.startswith("auto ratio 0.150") for n in first.stats.notes)
+    assert tiny_engine.costs.compute is not None and tiny_engine.costs.compute > 0
+    assert tiny_engine.costs.load["ram"] > 0
+    again = tiny_engine.generate({"chunks": chunks[::-1], "question": "Where?"}, {"max_tokens": 1},
+                                 policy="cacheblend:auto")
+    expected = tiny_engine.costs.ratio("ram")  # r_min on a CPU: loading is far cheaper than compute
+    note = next(n for n in again.stats.notes if n.startswith("auto ratio"))
+    assert f"auto ratio {expected:.3f} for the ram tier" in note and "compute" in note
+
+
+def test_calibrate_refines_the_ratio_on_a_calibration_set(tiny_llama_dir, tmp_path):
+    import json
+
+    from engine_sidecar.cli import main
+
+    out = tmp_path / "calibration.json"
+    assert main(["calibrate", "--model", str(tiny_llama_dir), "--no-disk", "--repeats", "1", "--data", "fanoutqa",
+                 "--n", "2", "--k", "3", "--max-evals", "3", "--max-tokens", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    refined = result["refined"]
+    assert len(refined["evaluations"]) == 3
+    assert 0.15 <= refined["ratio"] <= 1.0
+    for row in refined["evaluations"]:
+        assert row["utility"] == pytest.approx(row["rouge_l_vs_full"] - 0.5 * row["ttft_vs_full"])

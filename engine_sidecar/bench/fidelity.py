@@ -48,11 +48,18 @@ def _transformers_prefill_s(model, token_ids: list[int]) -> float:
         return time.perf_counter() - start
 
 
+def rotated(chunks: list[str]) -> list[str]:
+    """The same chunks in another order (last first): the context Cache-Craft variants are
+    recorded in before a question is asked with its own order."""
+    return chunks[-1:] + chunks[:-1] if len(chunks) > 1 else chunks
+
+
 def run_fidelity(args: argparse.Namespace) -> int:
+    from engine_sidecar.bench.datasets import load_dataset
     from engine_sidecar.cli import engine_from_args
 
     console = Console()
-    records = load_records(args.data)[: args.n]
+    records = load_dataset(args.data)[: args.n]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if "full" not in policies:
         policies.insert(0, "full")
@@ -72,6 +79,11 @@ def run_fidelity(args: argparse.Namespace) -> int:
             # warmed per question (not all up front) so a RAM tier smaller than the whole set
             # cannot turn a policy's lookups into misses
             engine.warm(chunk_texts(record, args.k))
+            if any(p.startswith("cachecraft") for p in policies):
+                # Cache-Craft keeps KV computed inside requests: a request with these chunks in
+                # another order records the variants this question then reuses
+                engine.generate(ChunkedPrompt(chunks=rotated(chunk_texts(record, args.k)), question=record["question"]),
+                                {"max_tokens": 1}, policy="cachecraft")
             prompt = ChunkedPrompt(chunks=chunk_texts(record, args.k), question=record["question"])
             row: dict[str, Any] = {"index": i, "question": record["question"], "answers": record.get("answers", []),
                                    "policies": {}}
@@ -80,6 +92,8 @@ def run_fidelity(args: argparse.Namespace) -> int:
                 row["policies"][policy] = {"text": result.text, "first_token": result.token_ids[:1],
                                            "ttft_s": result.stats.ttft_s,
                                            "computed_fraction": result.stats.computed_fraction,
+                                           "recompute_share": result.stats.tokens_recomputed / max(
+                                               1, result.stats.tokens_recomputed + result.stats.tokens_reused),
                                            "prompt_tokens": result.stats.prefill_tokens_total}
             if hf_model is not None:
                 ids = engine.builder.build(prompt).token_ids
@@ -92,12 +106,40 @@ def run_fidelity(args: argparse.Namespace) -> int:
     transformers_times = [r["transformers_prefill_s"] for r in rows if "transformers_prefill_s" in r]
     if transformers_times:
         config["transformers_prefill_median_s"] = statistics.median(transformers_times)
-    print(markdown_table(summary, config))
+    table = markdown_table(summary, config)
+    print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"config": config, "policies": summary, "rows": rows}, indent=1))
-        console.print(f"wrote {args.json}")
+        args.json.with_suffix(".md").write_text(table + "\n", encoding="utf-8")
+        plot = scatter_plot(summary, config, args.json.with_suffix(".png"))
+        console.print(f"wrote {args.json}, {args.json.with_suffix('.md')}" + (f", {plot}" if plot else ""))
     return 0
+
+
+def scatter_plot(summary: dict[str, dict[str, float]], config: dict[str, Any], path: Path) -> Path | None:
+    """Quality (ROUGE-L vs full) against TTFT (vs full), one labelled point per policy."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the bench extra is not installed: the table and JSON still stand
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    for name, m in summary.items():
+        ax.scatter(m["ttft_ratio_vs_full"], m["rouge_l_vs_full"], s=36)
+        ax.annotate(f"{name} ({m['recompute_share']:.2f})", (m["ttft_ratio_vs_full"], m["rouge_l_vs_full"]),
+                    textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("TTFT / full prefill TTFT (median, lower is faster)")
+    ax.set_ylabel("ROUGE-L of the answer vs full prefill's")
+    ax.set_title(f"{Path(str(config['data'])).stem}: {config['n']} questions, k={config['k']} "
+                 "(recompute share in brackets)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def summarize(rows: list[dict[str, Any]], policies: list[str]) -> dict[str, dict[str, float]]:
@@ -115,6 +157,7 @@ def summarize(rows: list[dict[str, Any]], policies: list[str]) -> dict[str, dict
             "ttft_median_s": ttft,
             "ttft_ratio_vs_full": ttft / full_ttft,
             "computed_fraction": statistics.mean(p["computed_fraction"] for _, p in per),
+            "recompute_share": statistics.mean(p.get("recompute_share", 0.0) for _, p in per),
         }
     return out
 
@@ -124,13 +167,14 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
         f"fidelity: {config['n']} questions, {config['k']} chunks each, {config['max_tokens']} tokens, "
         f"model {config['model']}",
         "",
-        "| policy | EM | F1 | ROUGE-L vs full | first-token agreement | TTFT median (s) | TTFT vs full | computed |",
-        "|---|---|---|---|---|---|---|---|",
+        "| policy | EM | F1 | ROUGE-L vs full | first-token agreement | TTFT median (s) | TTFT vs full | computed "
+        "| recompute share |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in summary.items():
         lines.append(f"| {name} | {m['em']:.2f} | {m['f1']:.3f} | {m['rouge_l_vs_full']:.3f} | "
                      f"{m['first_token_agreement']:.2f} | {m['ttft_median_s']:.3f} | {m['ttft_ratio_vs_full']:.3f} | "
-                     f"{m['computed_fraction']:.3f} |")
+                     f"{m['computed_fraction']:.3f} | {m['recompute_share']:.3f} |")
     if "transformers_prefill_median_s" in config:
         lines.append("")
         lines.append(f"transformers' own prefill of the same prompts: median "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,8 @@ class ChunkStore:
         self._lock = threading.Lock()
         self._by_chunk_id: dict[str, set[str]] = {}
         self.hits_ram = self.hits_disk = self.misses = 0
+        # (seconds, tokens) of each disk-tier read, for the engine's running cost estimate
+        self.on_disk_load: Callable[[float, int], None] | None = None
 
     def get(self, key: CacheKey) -> ChunkKV | None:
         digest = key.digest
@@ -42,10 +46,13 @@ class ChunkStore:
             self.hits_ram += 1
             return entry
         if self.disk is not None:
+            started = time.perf_counter()
             entry = self.disk.get(digest)
             if entry is not None and entry.tenant == key.tenant:
                 self.hits_disk += 1
                 entry.keys, entry.values = entry.keys.to(self.device), entry.values.to(self.device)
+                if self.on_disk_load is not None:
+                    self.on_disk_load(time.perf_counter() - started, entry.num_tokens)
                 self._remember(digest, entry)
                 self.ram.put(digest, entry)
                 return entry
@@ -62,6 +69,14 @@ class ChunkStore:
         self.ram.put(digest, entry)
         if self.disk is not None:
             self.disk.put(digest, entry)
+
+    def remove(self, key: CacheKey) -> bool:
+        """Drop one entry from every tier; whether it was held."""
+        digest = key.digest
+        hit = self.ram.remove(digest)
+        if self.disk is not None:
+            hit = self.disk.remove(digest) or hit
+        return hit
 
     def _remember(self, digest: str, entry: ChunkKV) -> None:
         if entry.chunk_id:

@@ -1,0 +1,49 @@
+"""`ragcache bench fidelity`: every policy family side by side on the assembled FanOutQA set,
+with the table, JSON and scatter plot it writes; and the dataset assembly itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine_sidecar.bench.datasets import fanoutqa_records, load_dataset
+from engine_sidecar.errors import InvalidPromptError
+
+
+def test_fanoutqa_records_hold_the_answer_passage_within_the_first_four():
+    records = fanoutqa_records()
+    assert len(records) > 500
+    for record in records[:200]:
+        texts = [c["text"] for c in record["ctxs"][:4]]
+        answer = record["answers"][0]
+        assert sum(record["question"] in t and t.endswith(answer + ".") for t in texts) == 1
+    # consecutive records of one FanOutQA question share their passages in another order
+    assert {c["text"] for c in records[0]["ctxs"]} == {c["text"] for c in records[1]["ctxs"]}
+    assert [c["text"] for c in records[0]["ctxs"]] != [c["text"] for c in records[1]["ctxs"]]
+
+
+def test_unknown_dataset_is_a_clear_error(tmp_path):
+    with pytest.raises(InvalidPromptError, match="no such file"):
+        load_dataset(tmp_path / "missing.json")
+
+
+def test_fidelity_bench_runs_every_policy_family_and_writes_table_json_and_plot(tiny_llama_dir, tmp_path):
+    out = tmp_path / "fidelity.json"
+    policies = "full,reuse,cacheblend:0.15,epic:4,cachetune:0.15,cachecraft:0.5"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", "3", "--k", "3",
+         "--policies", policies, "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk",
+         "--max-tokens", "3", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert list(result["policies"]) == policies.split(",")
+    assert result["policies"]["full"]["rouge_l_vs_full"] == 1.0
+    assert result["policies"]["reuse"]["recompute_share"] == 0.0
+    assert 0.0 < result["policies"]["cachetune:0.15"]["recompute_share"] < 0.5
+    assert "| cachecraft:0.5 |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
