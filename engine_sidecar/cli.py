@@ -28,6 +28,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="inline: compute a missed chunk's KV before the request; background: compute the "
                         "request fresh and cache the chunk afterwards")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="read disk-tier chunk KV whole before the prefill instead of layer by layer during it")
     p.add_argument("--no-prefix-tree", action="store_true",
                    help="turn off CP-Tree exact chunk-prefix reuse (fusion only)")
 
@@ -39,6 +41,7 @@ def engine_from_args(args: argparse.Namespace):
         args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, disk=not args.no_disk,
         ram_cache_bytes=int(args.ram_cache_gb * (1 << 30)), convention=args.convention,
         precompute=args.precompute, threads=args.threads, prefix_tree=not getattr(args, "no_prefix_tree", False),
+        prefetch=not getattr(args, "no_prefetch", False),
     )
 
 
@@ -147,6 +150,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def cmd_bench_prefetch(args: argparse.Namespace) -> int:
+    from engine_sidecar.bench.prefetch import run_prefetch
+
+    return run_prefetch(args)
 
 
 def cmd_bench_fidelity(args: argparse.Namespace) -> int:
@@ -263,6 +272,20 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--no-transformers", action="store_true", help="skip timing transformers' own prefill")
     _engine_args(fid)
     fid.set_defaults(func=cmd_bench_fidelity)
+
+    pf = bench.add_parser("prefetch", help="TTFT with a cold disk tier: layer-wise prefetch vs loading before the "
+                          "prefill", description="Chunks are cached on disk, the RAM tier is emptied and the files are "
+                          "evicted from the page cache before every request; both modes answer the same prompts, "
+                          "interleaved.")
+    pf.add_argument("--data", default="../shared/data/musique_s.json",
+                    help="musique_s.json-format file or 'fanoutqa' (default: ../shared/data/musique_s.json)")
+    pf.add_argument("--n", type=int, default=5, help="questions (default 5)")
+    pf.add_argument("--k", type=int, default=4, help="chunks per question (default 4)")
+    pf.add_argument("--repeats", type=int, default=3, help="cold requests per question and mode (default 3)")
+    pf.add_argument("--policy", default="cacheblend", help=POLICY_HELP)
+    pf.add_argument("--json", type=Path, default=None, help="write results JSON (and a .md table) here")
+    _engine_args(pf)
+    pf.set_defaults(func=cmd_bench_prefetch)
 
     wl = bench.add_parser("workload", help="a RAG request stream replayed against ragcache systems and vLLM",
                           description="Builds a request stream from a corpus (top-k passages by MiniLM similarity, "

@@ -30,10 +30,12 @@ from engine_sidecar.paths import default_cache_dir
 from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.planner import PlannedRequest, Planner
 from engine_sidecar.policies import Policy, ReusePolicy, parse_policy
+from engine_sidecar.prefetch import preload_depth
 from engine_sidecar.prompt import PromptBuilder, Segment
 from engine_sidecar.reorder import ChunkAccessTable, access_key, check_order
 from engine_sidecar.sampling import TextAccumulator, choose_token
 from engine_sidecar.store.chunk_store import ChunkStore
+from engine_sidecar.store.disk import DamagedCacheFile
 from engine_sidecar.store.entry import CacheKey, ChunkKV
 from ragcache_integrations.types import (
     Chunk,
@@ -69,6 +71,7 @@ class EngineConfig:
     conversation_max_tokens: int = 6144
     cachecraft_variants_per_chunk: int = 4  # Cache-Craft's M
     cachecraft_max_chunks: int = 1024  # Cache-Craft's N: N * M variants in all
+    prefetch: bool = True  # read disk-tier chunk KV layer by layer while earlier layers compute
 
 
 class GenerationStream:
@@ -105,6 +108,7 @@ class Engine:
         self.planner = Planner(self)
         self.variants = VariantIndex(config.cachecraft_variants_per_chunk, config.cachecraft_max_chunks)
         self.costs = CostMeter()
+        self._lazy_reads = False
         store.on_disk_load = lambda seconds, tokens: self.costs.observe_load("disk", seconds, tokens)
         self.cptree = CPTree(lambda node: self.store.contains(self.planner.node_key(node)), config.promote_threshold)
 
@@ -260,9 +264,7 @@ class Engine:
         self._validate(prompt, 1)
         with self._lock:
             planned = self._plan(prompt, pol, tenant)
-            started = time.perf_counter()
-            result = fused_prefill(self.runner, planned.plan, pol, observer=planned.observer())
-            self._observe_costs(result, time.perf_counter() - started)
+            planned, result = self._prefill(planned, pol, prompt, tenant, planned.plan.num_tokens, {})
             self._learn(planned, result, tenant)
         assert result.logits is not None
         return result.logits, self._stats(planned, result, time.perf_counter() - t0, pol, {})
@@ -324,12 +326,8 @@ class Engine:
     def _decode_loop(self, planned: PlannedRequest, sampling: SamplingParams, policy: Policy, tenant: str,
                      prompt: ChunkedPrompt | None, t0: float,
                      times: dict[str, float]) -> Iterator[str | GenerationResult]:
-        t2 = time.perf_counter()
-        total = planned.plan.num_tokens
-        result = fused_prefill(self.runner, planned.plan, policy, capacity=total + sampling.max_tokens + 1,
-                               observer=planned.observer())
-        times["prefill_s"] = time.perf_counter() - t2
-        self._observe_costs(result, times["prefill_s"])
+        planned, result = self._prefill(planned, policy, prompt, tenant,
+                                        planned.plan.num_tokens + sampling.max_tokens + 1, times)
         self._learn(planned, result, tenant)
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed) if sampling.seed is not None else None
         assert result.logits is not None
@@ -377,9 +375,20 @@ class Engine:
         self.conversations.put(Conversation(tenant, prompt.conversation_id or "", prompt.system, history, chunk_ids,
                                             turns=(previous.turns + 1) if previous else 1))
 
-    def _plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str) -> PlannedRequest:
+    def lookup(self, key: CacheKey) -> ChunkKV | None:
+        """A store read during planning: disk-tier entries stay on disk for layer-wise prefetch
+        when this request allows it."""
+        return self.store.get(key, lazy=self._lazy_reads)
+
+    def _plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, lazy: bool = True) -> PlannedRequest:
         disk_hits = self.store.hits_disk
-        planned = self.planner.plan(prompt, policy, tenant, self.config.prefix_tree, self.config.conversation_dedup)
+        # policies that read every cached layer before layer 0 (CacheTune's scores) load eagerly
+        self._lazy_reads = lazy and self.config.prefetch and not policy.needs_cached_kv
+        try:
+            planned = self.planner.plan(prompt, policy, tenant, self.config.prefix_tree,
+                                        self.config.conversation_dedup)
+        finally:
+            self._lazy_reads = False
         if policy.auto:
             # r0 for the slowest tier this request's cached KV came from (adaptive.py)
             tier = "disk" if self.store.hits_disk > disk_hits else "ram"
@@ -390,9 +399,48 @@ class Engine:
                                       f"(per token: compute {compute}, load {load})")
         return planned
 
+    def _prefill(self, planned: PlannedRequest, policy: Policy, prompt: ChunkedPrompt | None, tenant: str,
+                 capacity: int, times: dict[str, float]) -> tuple[PlannedRequest, PrefillResult]:
+        """Run the plan (disk-tier KV prefetched layer by layer), learn costs, promote what was
+        read to RAM. A file found damaged mid-read was deleted: plan again reading whole files."""
+        for attempt in (0, 1):
+            started = time.perf_counter()
+            try:
+                result = fused_prefill(self.runner, planned.plan, policy, capacity=capacity,
+                                       observer=planned.observer(), prefetch_depth=self._preload_depth(planned))
+            except DamagedCacheFile:
+                if attempt or prompt is None:
+                    raise
+                # read whole files this time: each is verified before use, damaged ones are misses
+                planned = self._plan(prompt, policy, tenant, lazy=False)
+                continue
+            times["prefill_s"] = time.perf_counter() - started
+            self._observe_costs(result, times["prefill_s"])
+            if result.prefetch is not None:
+                times["prefetch_read_s"] = result.prefetch.read_s
+                times["prefetch_wait_s"] = result.prefetch.wait_s
+                times["prefetch_depth"] = float(result.prefetch.depth)
+                for entry in result.prefetched:
+                    self.store.promote(entry)
+            return planned, result
+        raise AssertionError("unreachable")
+
+    def _preload_depth(self, planned: PlannedRequest) -> int:
+        """Cache-Craft's preload depth for this plan, from the costs measured so far."""
+        lazy = sum(len(s) for s in planned.plan.spans if s.cached is not None and s.cached.reader is not None)
+        if not lazy or self.costs.compute is None or "disk" not in self.costs.load:
+            return 1
+        layers = self.runner.num_layers
+        computed = sum(len(s) for s in planned.plan.spans if s.mode == "fresh") + 0.15 * lazy
+        return preload_depth(layers, self.costs.compute * computed / layers, self.costs.load["disk"] * lazy / layers)
+
     def _observe_costs(self, result: PrefillResult, prefill_s: float) -> None:
         self.costs.observe_load("ram", result.load_s, result.loaded_tokens)
-        self.costs.observe_compute(prefill_s - result.load_s, result.token_layers_computed / self.runner.num_layers)
+        waited = result.prefetch.wait_s if result.prefetch is not None else 0.0
+        self.costs.observe_compute(prefill_s - result.load_s - waited,
+                                   result.token_layers_computed / self.runner.num_layers)
+        if result.prefetch is not None:
+            self.costs.observe_load("disk", result.prefetch.read_s, result.prefetch.tokens)
 
     def _learn(self, planned: PlannedRequest, result: PrefillResult, tenant: str) -> None:
         """Keep what this request computed exactly: the template prefix, new CP-Tree nodes, and

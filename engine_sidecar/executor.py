@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.plan import FusionPlan
 from engine_sidecar.policies import LayerView, Policy
+from engine_sidecar.prefetch import LayerPrefetcher, PrefetchTimes
+from engine_sidecar.store.entry import ChunkKV
 from ragcache_kernels import dispatch
 from ragcache_kernels.rope import apply_rope
 
@@ -59,8 +61,10 @@ class PrefillResult:
     token_layers_computed: int  # sum over layers of active tokens: the honest compute share
     fused_tokens_recomputed: int  # fused (cached) tokens still recomputed at the last layer
     fused_tokens: int
-    load_s: float = 0.0  # copying cached KV into the buffer
+    load_s: float = 0.0  # copying cached KV (RAM tier) into the buffer
     loaded_tokens: int = 0
+    prefetch: PrefetchTimes | None = None  # disk-tier KV read layer by layer during the prefill
+    prefetched: list[ChunkKV] = field(default_factory=list)  # those entries, now fully in memory
 
 
 @torch.inference_mode()
@@ -71,9 +75,12 @@ def fused_prefill(
     capacity: int | None = None,
     need_logits: bool = True,
     observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+    prefetch_depth: int = 1,
 ) -> PrefillResult:
     """Run the plan. `observer(layer, rotated queries [A,H,D], active positions [A], rotated keys
-    [n,Hkv,D])` sees each layer's attention inputs (Cache-Craft records chunk statistics)."""
+    [n,Hkv,D])` sees each layer's attention inputs (Cache-Craft records chunk statistics). Spans
+    whose cached KV is still on disk (`ChunkKV.reader`) are read a layer at a time on a thread
+    while earlier layers compute, `prefetch_depth` layers before layer 0 starts."""
     n = plan.num_tokens
     device = runner.device
     kv = KVBuffer.allocate(runner, max(capacity or n, n))
@@ -83,12 +90,16 @@ def fused_prefill(
 
     has_cache = torch.zeros(n, dtype=torch.bool)
     load_started = time.perf_counter()
+    loaded = 0
     for span in plan.spans:
         if span.cached is not None and span.mode != "fresh":
-            kv.keys_pre[:, span.start : span.end] = span.cached.keys
-            kv.values[:, span.start : span.end] = span.cached.values
+            if span.cached.reader is None:
+                kv.keys_pre[:, span.start : span.end] = span.cached.keys
+                kv.values[:, span.start : span.end] = span.cached.values
+                loaded += len(span)
             has_cache[span.start : span.end] = True
     load_s = time.perf_counter() - load_started
+    prefetcher = LayerPrefetcher(plan, kv.keys_pre, kv.values, prefetch_depth).start()
     fused = torch.zeros(n, dtype=torch.bool)
     for span in plan.spans:
         if span.mode == "fuse":
@@ -101,6 +112,7 @@ def fused_prefill(
     token_layers = 0
 
     for layer in range(runner.num_layers):
+        prefetcher.wait(layer)
         qkv = runner.qkv(layer, hidden)
         keep = policy.refine(
             LayerView(layer, active, must_keep, qkv.k, qkv.v, kv.keys_pre[layer, active], kv.values[layer, active],
@@ -130,7 +142,9 @@ def fused_prefill(
             raise AssertionError("the last prompt token must stay active to produce logits")
         logits = runner.logits(hidden[-1:])[0]
     recomputed = int(fused[active.cpu()].sum())
-    return PrefillResult(logits, kv, token_layers, recomputed, int(fused.sum()), load_s, int(has_cache.sum()))
+    prefetched = prefetcher.finish()
+    return PrefillResult(logits, kv, token_layers, recomputed, int(fused.sum()), load_s, loaded,
+                         prefetcher.times if prefetcher else None, prefetched)
 
 
 @torch.inference_mode()

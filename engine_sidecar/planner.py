@@ -91,7 +91,7 @@ class Planner:
         prefix = assembled.segments[0]
         span = PlanSpan("prefix", 0, prefix.token_ids, "fresh")
         if policy.uses_cache and prefix.token_ids:
-            span.cached = engine.store.get(engine._key(prefix.token_ids, tenant, "exact"))
+            span.cached = engine.lookup(engine._key(prefix.token_ids, tenant, "exact"))
             span.mode = "exact" if span.cached is not None else "fresh"
         out.plan.spans.append(span)
         root = self.root_digest(prefix, tenant) if (use_prefix_tree and policy.uses_cache) else None
@@ -151,7 +151,7 @@ class Planner:
                 i = chunk_index
                 chunk_index += 1
                 if i < len(path):
-                    span.cached = engine.store.get(self.node_key(path[i]))
+                    span.cached = engine.lookup(self.node_key(path[i]))
                     if span.cached is not None:
                         span.mode = "exact"
                         out.hits += 1
@@ -198,7 +198,7 @@ class Planner:
                 out.plan.notes.append(f"cachecraft {span.chunk_id or digest[:8]}: best CFO {choice.cfo:.2f} "
                                       f">= {policy.fresh_above}: computed here, kept as a new variant")
                 break
-            cached = engine.store.get(choice.variant.key)
+            cached = engine.lookup(choice.variant.key)
             if cached is not None:
                 span.cached, span.mode = cached, "fuse"
                 span.recompute = tokens_to_recompute(choice.variant.inter, choice.cfo)
@@ -217,7 +217,7 @@ class Planner:
                       tenant: str) -> None:
         engine = self.engine
         key = engine._key(seg.token_ids, tenant, engine._chunk_context(prefix))
-        span.cached = engine.store.get(key)
+        span.cached = engine.lookup(key)
         if span.cached is not None:
             out.hits += 1
         elif engine.config.precompute == "inline":

@@ -53,6 +53,7 @@ class Policy:
     fuses = True  # places cached chunk KV at new positions (else only exact prefix reuse)
     # `ratio` is set by the engine per request from measured costs (`<policy>:auto`, adaptive.py)
     auto = False
+    needs_cached_kv = False  # reads every cached layer before layer 0 (no layer-wise prefetch)
 
     def initial_active(self, plan: FusionPlan) -> torch.Tensor:
         """Bool mask [T]; must include every fresh token."""
@@ -128,6 +129,7 @@ class CacheTunePolicy(Policy):
     (`frequency_scores` of its cached K/V); the rest keep their cached KV."""
 
     name = "cachetune"
+    needs_cached_kv = True
 
     def __init__(self, ratio: float = 0.15, cutoff: float = 0.5):
         if not 0.0 <= ratio <= 1.0 or not 0.0 < cutoff <= 1.0:

@@ -39,12 +39,21 @@ class ChunkStore:
         # (seconds, tokens) of each disk-tier read, for the engine's running cost estimate
         self.on_disk_load: Callable[[float, int], None] | None = None
 
-    def get(self, key: CacheKey) -> ChunkKV | None:
+    def get(self, key: CacheKey, lazy: bool = False) -> ChunkKV | None:
+        """The entry from RAM, else from disk. With `lazy`, a disk entry comes back with its KV
+        still on disk (`entry.reader`), for the executor to read a layer at a time while it
+        computes; `promote` puts it in RAM once read."""
         digest = key.digest
         entry = self.ram.get(digest)
         if entry is not None:
             self.hits_ram += 1
             return entry
+        if self.disk is not None and lazy:
+            entry = self.disk.lazy(digest)
+            if entry is not None and entry.tenant == key.tenant:
+                self.hits_disk += 1
+                entry.meta["_digest"] = digest
+                return entry
         if self.disk is not None:
             started = time.perf_counter()
             entry = self.disk.get(digest)
@@ -58,6 +67,15 @@ class ChunkStore:
                 return entry
         self.misses += 1
         return None
+
+    def promote(self, entry: ChunkKV) -> None:
+        """A lazily read entry, now fully in memory, joins the RAM tier."""
+        digest = entry.meta.pop("_digest", None)
+        entry.reader = None
+        if digest is not None:
+            entry.keys, entry.values = entry.keys.to(self.device), entry.values.to(self.device)
+            self._remember(digest, entry)
+            self.ram.put(digest, entry)
 
     def contains(self, key: CacheKey) -> bool:
         digest = key.digest

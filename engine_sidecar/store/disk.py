@@ -21,6 +21,47 @@ from engine_sidecar.store.entry import ChunkKV
 
 log = logging.getLogger("ragcache.store")
 _SUFFIX = ".kv.safetensors"
+_RESERVED_META = ("digest", "checksum", "chunk_id", "tenant", "layer_checksums")
+
+
+def _layer_checksums(keys: torch.Tensor, values: torch.Tensor) -> str:
+    """One short digest per layer (keys then values), so a per-layer read can be verified alone."""
+    out = []
+    for layer in range(keys.shape[0]):
+        h = hashlib.blake2b(digest_size=8)
+        for t in (keys[layer], values[layer]):
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        out.append(h.hexdigest())
+    return ",".join(out)
+
+
+class DamagedCacheFile(RuntimeError):
+    """A stored chunk's file failed verification while it was being read layer by layer."""
+
+
+class LayerReader:
+    """Reads one stored chunk's KV a layer at a time (safetensors slices), verifying each layer
+    against the checksum written with it: what layer-wise prefetch reads while earlier layers
+    are computed."""
+
+    def __init__(self, tier: DiskTier, digest: str, path: Path, handle, checksums: list[str]):
+        self.tier, self.digest, self.path = tier, digest, path
+        self._handle, self._checksums = handle, checksums
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._checksums)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = self._handle.get_slice("keys")[index : index + 1]
+        values = self._handle.get_slice("values")[index : index + 1]
+        if _layer_checksums(keys, values) != self._checksums[index]:
+            self.tier.forget_damaged(self.path, f"layer {index} checksum mismatch")
+            raise DamagedCacheFile(f"chunk cache file {self.path.name}: layer {index} is damaged")
+        return keys[0], values[0]
+
+    def close(self) -> None:
+        self._handle = None
 
 
 def _checksum(entry_tensors: dict[str, torch.Tensor]) -> str:
@@ -70,7 +111,8 @@ class DiskTier:
         tensors = {"keys": entry.keys.cpu().contiguous(), "values": entry.values.cpu().contiguous(),
                    "token_ids": entry.token_ids.cpu().contiguous()}
         meta = {"digest": digest, "checksum": _checksum(tensors), "chunk_id": entry.chunk_id or "",
-                "tenant": entry.tenant, **entry.meta}
+                "tenant": entry.tenant, "layer_checksums": _layer_checksums(tensors["keys"], tensors["values"]),
+                **entry.meta}
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)
@@ -88,13 +130,49 @@ class DiskTier:
             if meta.get("digest") != digest or meta.get("checksum") != _checksum(tensors):
                 raise ValueError("checksum mismatch")
         except Exception as exc:  # any damage at all must end as a miss, never a crash
-            self.corrupt_files_seen += 1
-            log.warning("chunk cache file %s is damaged (%s); recomputing it", path.name, exc)
-            path.unlink(missing_ok=True)
+            self.forget_damaged(path, str(exc))
             return None
-        extra = {k: v for k, v in meta.items() if k not in ("digest", "checksum", "chunk_id", "tenant")}
+        extra = {k: v for k, v in meta.items() if k not in _RESERVED_META}
         return ChunkKV(tensors["keys"], tensors["values"], tensors["token_ids"],
                        meta.get("chunk_id") or None, meta.get("tenant", ""), extra)
+
+    def forget_damaged(self, path: Path, why: str) -> None:
+        self.corrupt_files_seen += 1
+        log.warning("chunk cache file %s is damaged (%s); recomputing it", path.name, why)
+        path.unlink(missing_ok=True)
+
+    def lazy(self, digest: str) -> ChunkKV | None:
+        """The entry with its token ids and shapes read now and its KV still on disk, to be read a
+        layer at a time (`ChunkKV.reader`); None if absent, damaged, or written before per-layer
+        checksums existed (then `get` reads it whole)."""
+        path = self.path_for(digest)
+        if not path.is_file():
+            return None
+        try:
+            from safetensors import safe_open
+
+            handle = safe_open(str(path), framework="pt")
+            meta = handle.metadata() or {}
+            if meta.get("digest") != digest or "layer_checksums" not in meta:
+                return None
+            checksums = meta["layer_checksums"].split(",")
+            token_ids = handle.get_tensor("token_ids")
+            shape = handle.get_slice("keys").get_shape()
+            dtype = handle.get_slice("keys").get_dtype()
+            if len(shape) != 4 or shape[0] != len(checksums) or shape[1] != token_ids.shape[0]:
+                raise ValueError("shapes disagree with the metadata")
+        except Exception as exc:  # a damaged header is a miss, like in `get`
+            self.forget_damaged(path, str(exc))
+            return None
+        torch_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(dtype)
+        if torch_dtype is None:
+            return None
+        keys = torch.empty(shape, dtype=torch_dtype)
+        values = torch.empty(shape, dtype=torch_dtype)
+        extra = {k: v for k, v in meta.items() if k not in _RESERVED_META}
+        entry = ChunkKV(keys, values, token_ids, meta.get("chunk_id") or None, meta.get("tenant", ""), extra)
+        entry.reader = LayerReader(self, digest, path, handle, checksums)
+        return entry
 
     def remove(self, digest: str) -> bool:
         path = self.path_for(digest)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,9 @@ class ChunkKV:
     chunk_id: str | None = None
     tenant: str = ""
     meta: dict[str, str] = field(default_factory=dict)
+    # set while the KV is still on disk: keys/values are allocated but filled a layer at a time
+    # by layer-wise prefetch (store.disk.LayerReader); None once they hold the data
+    reader: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

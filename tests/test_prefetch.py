@@ -1,0 +1,104 @@
+"""Layer-wise prefetch: the preload-depth formula, per-layer reads that verify each layer, and
+the engine reading disk-tier KV layer by layer with the same result as a synchronous load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_sidecar import Engine
+from engine_sidecar.prefetch import preload_depth
+from engine_sidecar.store.disk import DamagedCacheFile, DiskTier
+from engine_sidecar.store.entry import ChunkKV
+
+PASSAGES = ["The Amazon river flows through Brazil into the Atlantic Ocean. " * 4,
+            "The Danube flows through ten countries into the Black Sea. " * 4,
+            "The Mekong rises in Tibet and reaches the sea in Vietnam. " * 4]
+PROMPT = {"chunks": PASSAGES[::-1], "question": "Which river reaches the Black Sea?"}
+
+
+@pytest.mark.parametrize("layers, compute, load, depth", [(30, 1.0, 0.5, 1), (30, 1.0, 1.0, 1), (30, 1.0, 2.0, 15),
+                                                          (30, 1.0, 4.0, 23), (30, None, 4.0, 1), (4, 1.0, 1e9, 4)])
+def test_preload_depth_by_hand(layers, compute, load, depth):
+    assert preload_depth(layers, compute, load) == depth
+
+
+def test_layer_reader_reads_each_layer_and_catches_a_damaged_one(tmp_path):
+    tier = DiskTier(tmp_path)
+    keys, values = torch.randn(3, 5, 2, 4), torch.randn(3, 5, 2, 4)
+    tier.put("ab" * 20, ChunkKV(keys, values, torch.arange(5)))
+    tier.flush()
+    lazy = tier.lazy("ab" * 20)
+    assert lazy is not None and lazy.reader is not None and lazy.keys.shape == keys.shape
+    assert torch.equal(lazy.token_ids, torch.arange(5))
+    for layer in range(3):
+        k, v = lazy.reader.layer(layer)
+        assert torch.equal(k, keys[layer]) and torch.equal(v, values[layer])
+    path = tier.path_for("ab" * 20)
+    data = bytearray(path.read_bytes())
+    data[-16:] = bytes(b ^ 0xFF for b in data[-16:])  # the tail: values of the last layer
+    path.write_bytes(bytes(data))
+    damaged = tier.lazy("ab" * 20)
+    assert damaged is not None
+    damaged.reader.layer(0)
+    with pytest.raises(DamagedCacheFile):
+        damaged.reader.layer(2)
+    assert not path.exists() and tier.corrupt_files_seen == 1
+
+
+def cold_engine(model_dir, cache, prefetch: bool) -> Engine:
+    return Engine.from_pretrained(model_dir, device="cpu", dtype="float32", cache_dir=cache, prefix_tree=False,
+                                  prefetch=prefetch)
+
+
+def test_prefetched_prefill_equals_synchronous_load_and_lands_in_ram(tiny_llama_dir, tmp_path):
+    cache = tmp_path / "kv"
+    with cold_engine(tiny_llama_dir, cache, True) as warm:
+        warm.warm(PASSAGES)
+        warm.store.flush()
+    with cold_engine(tiny_llama_dir, cache, False) as sync:
+        expected, sync_stats = sync.prefill_logits(PROMPT, policy="cacheblend")
+    with cold_engine(tiny_llama_dir, cache, True) as engine:
+        result = engine.generate(PROMPT, {"max_tokens": 1}, policy="cacheblend")
+        times = result.stats.stage_times
+        assert times["prefetch_read_s"] > 0 and times["prefetch_depth"] >= 1 and "prefetch_wait_s" in times
+        assert engine.store.hits_disk == 4 and len(engine.store.ram) == 4  # 3 chunks + the template prefix
+        assert engine.costs.load["disk"] > 0
+    with cold_engine(tiny_llama_dir, cache, True) as engine:
+        logits, stats = engine.prefill_logits(PROMPT, policy="cacheblend")
+        assert stats.chunk_hits == sync_stats.chunk_hits == 3
+        assert torch.allclose(logits, expected, atol=1e-5)
+
+
+def test_a_file_damaged_mid_read_becomes_a_miss_not_an_error(tiny_llama_dir, tmp_path):
+    cache = tmp_path / "kv"
+    with cold_engine(tiny_llama_dir, cache, True) as warm:
+        warm.warm(PASSAGES)
+        warm.store.flush()
+        expected = warm.generate(PROMPT, {"max_tokens": 4}, policy="full").token_ids
+    for path in sorted(cache.glob("*/*.kv.safetensors")):
+        data = bytearray(path.read_bytes())
+        data[-32:] = bytes(b ^ 0xFF for b in data[-32:])
+        path.write_bytes(bytes(data))
+    with cold_engine(tiny_llama_dir, cache, True) as engine:
+        result = engine.generate(PROMPT, {"max_tokens": 4}, policy="cacheblend:1.0")
+        assert result.stats.chunk_misses == 3
+        assert result.token_ids == expected  # ratio 1.0 recomputes everything: full prefill's answer
+
+
+def test_bench_prefetch_measures_both_modes_cold(tiny_llama_dir, tmp_path):
+    import json
+
+    from engine_sidecar.cli import main
+
+    out = tmp_path / "prefetch.json"
+    assert main(["bench", "prefetch", "--data", "fanoutqa", "--n", "2", "--k", "3", "--repeats", "1",
+                 "--model", str(tiny_llama_dir), "--cache-dir", str(tmp_path / "kv"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["mode"] for r in rows].count("sync") == [r["mode"] for r in rows].count("prefetch") == 2
+    assert all(r["chunk_hits"] == 3 for r in rows)  # cold RAM, warm disk: every chunk comes from disk
+    assert all("prefetch_read_s" in r["stage_times"] for r in rows if r["mode"] == "prefetch")
+    assert not any("prefetch_read_s" in r["stage_times"] for r in rows if r["mode"] == "sync")
+    assert result["summary"]["ttft_ratio_prefetch_vs_sync_median"] > 0
+    assert "TTFT prefetch / sync" in out.with_suffix(".md").read_text()
