@@ -420,6 +420,7 @@ class Engine:
                 times["prefetch_read_s"] = result.prefetch.read_s
                 times["prefetch_wait_s"] = result.prefetch.wait_s
                 times["prefetch_depth"] = float(result.prefetch.depth)
+                times["prefetch_rows_skipped"] = float(result.prefetch.rows_skipped)
                 for entry in result.prefetched:
                     self.store.promote(entry)
             return planned, result

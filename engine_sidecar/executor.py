@@ -99,13 +99,15 @@ def fused_prefill(
                 loaded += len(span)
             has_cache[span.start : span.end] = True
     load_s = time.perf_counter() - load_started
-    prefetcher = LayerPrefetcher(plan, kv.keys_pre, kv.values, prefetch_depth).start()
     fused = torch.zeros(n, dtype=torch.bool)
     for span in plan.spans:
         if span.mode == "fuse":
             fused[span.start : span.end] = True
 
     active_mask = policy.initial_active(plan) | ~has_cache
+    # tokens active from layer 0 that stay active never read their cached rows: skip them
+    skip = active_mask if policy.keeps_initial_active else None
+    prefetcher = LayerPrefetcher(plan, kv.keys_pre, kv.values, prefetch_depth, skip).start()
     active = active_mask.nonzero().squeeze(1).to(device)
     must_keep = (~has_cache)[active.cpu()].to(device)
     hidden = runner.embed(ids[active])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_sidecar.errors import InvalidPromptError
+from engine_sidecar.frequency import DEFAULT_CUTOFF, frequency_scores
 from engine_sidecar.plan import FusionPlan
 
 
@@ -54,6 +55,9 @@ class Policy:
     # `ratio` is set by the engine per request from measured costs (`<policy>:auto`, adaptive.py)
     auto = False
     needs_cached_kv = False  # reads every cached layer before layer 0 (no layer-wise prefetch)
+    # the layer-0 active set is never shrunk by `refine`: cached rows of those tokens are never
+    # read, so a chunk on disk can be loaded without them (sparse load)
+    keeps_initial_active = False
 
     def initial_active(self, plan: FusionPlan) -> torch.Tensor:
         """Bool mask [T]; must include every fresh token."""
@@ -88,12 +92,14 @@ class ReusePolicy(Policy):
     """Reuse every cached chunk as is (rotated), recompute nothing."""
 
     name = "reuse"
+    keeps_initial_active = True
 
 
 class EpicPolicy(Policy):
     """EPIC: recompute the first k tokens of each fused chunk (its spurious attention sink)."""
 
     name = "epic"
+    keeps_initial_active = True
 
     def __init__(self, k: int = 16):
         self.k = k
@@ -106,32 +112,16 @@ class EpicPolicy(Policy):
         return active
 
 
-def frequency_scores(keys: torch.Tensor, values: torch.Tensor, cutoff: float = 0.5) -> torch.Tensor:
-    """CacheTune token scores for one cached chunk: keys/values [L, n, Hkv, D] -> [n].
-
-    Per layer, K and V are low-pass filtered along the sequence (rFFT, keep the lowest `cutoff`
-    share of frequencies, inverse rFFT); a token's score is the L2 norm of its low-frequency
-    reconstruction, the mean of the K and V scores, averaged over layers. Tokens carrying the
-    chunk's slowly varying content score high; they are the ones recomputed."""
-    n = keys.shape[1]
-
-    def low_pass_norm(x: torch.Tensor) -> torch.Tensor:
-        spectrum = torch.fft.rfft(x.float(), dim=1)
-        keep = max(1, math.ceil(cutoff * spectrum.shape[1]))
-        spectrum[:, keep:] = 0
-        return torch.fft.irfft(spectrum, n=n, dim=1).flatten(2).norm(dim=2)  # [L, n]
-
-    return ((low_pass_norm(keys) + low_pass_norm(values)) / 2).mean(dim=0)
-
-
 class CacheTunePolicy(Policy):
     """CacheTune: recompute, from layer 0, the top-r tokens of each fused chunk by frequency score
-    (`frequency_scores` of its cached K/V); the rest keep their cached KV."""
+    (`frequency_scores` of its cached K/V, stored with the chunk on the disk tier); the rest keep
+    their cached KV. The chosen tokens stay chosen on every layer, so a chunk read from disk needs
+    only the other tokens' rows (sparse load)."""
 
     name = "cachetune"
-    needs_cached_kv = True
+    keeps_initial_active = True
 
-    def __init__(self, ratio: float = 0.15, cutoff: float = 0.5):
+    def __init__(self, ratio: float = 0.15, cutoff: float = DEFAULT_CUTOFF):
         if not 0.0 <= ratio <= 1.0 or not 0.0 < cutoff <= 1.0:
             raise ValueError("ratio must be in [0, 1] and cutoff in (0, 1]")
         self.ratio, self.cutoff = ratio, cutoff
@@ -144,7 +134,13 @@ class CacheTunePolicy(Policy):
             budget = math.ceil(self.ratio * len(span) - 1e-9)  # 0.2 * 35 must be 7, not 8
             if budget == 0:
                 continue
-            scores = frequency_scores(span.cached.keys, span.cached.values, self.cutoff)
+            entry = span.cached
+            if entry.scores is not None and self.cutoff == DEFAULT_CUTOFF:
+                scores = entry.scores
+            else:
+                if entry.reader is not None:  # scores need every layer: read the chunk whole now
+                    entry.reader.read_into(entry)
+                scores = frequency_scores(entry.keys, entry.values, self.cutoff)
             top = torch.topk(scores, min(budget, len(span))).indices
             active[span.start + top.cpu()] = True
         return active

@@ -35,18 +35,28 @@ class PrefetchTimes:
     wait_s: float = 0.0  # the executor's time waiting for layers it needed
     depth: int = 1
     tokens: int = 0
+    rows_skipped: int = 0  # token rows per layer not read: recomputed from layer 0 (sparse load)
 
 
 class LayerPrefetcher:
     """Reads every lazily loaded span of a plan into the request's KV buffer, layer by layer, on
     a thread; `wait(layer)` blocks until that layer (and all before it) is in place."""
 
-    def __init__(self, plan: FusionPlan, keys_pre: torch.Tensor, values: torch.Tensor, depth: int = 1):
+    def __init__(self, plan: FusionPlan, keys_pre: torch.Tensor, values: torch.Tensor, depth: int = 1,
+                 skip: torch.Tensor | None = None):
+        """`skip` [T] bool: tokens recomputed on every layer, whose cached rows are never read."""
         self.spans = [s for s in plan.spans if s.cached is not None and s.cached.reader is not None
                       and s.mode != "fresh"]
         self.keys_pre, self.values = keys_pre, values
         self.num_layers = keys_pre.shape[0]
-        self.times = PrefetchTimes(depth=depth, tokens=sum(len(s) for s in self.spans))
+        # per span: the local rows to read, or None for all of them
+        self.rows: list[torch.Tensor | None] = []
+        for span in self.spans:
+            needed = ~skip[span.start : span.end] if skip is not None else None
+            self.rows.append(None if needed is None or bool(needed.all()) else needed.nonzero().squeeze(1))
+        self.times = PrefetchTimes(depth=depth, tokens=sum(len(s) for s in self.spans),
+                                   rows_skipped=sum(len(s) - len(r) for s, r in zip(self.spans, self.rows, strict=True)
+                                                    if r is not None))
         self._done = 0
         self._error: BaseException | None = None
         self._cond = threading.Condition()
@@ -72,13 +82,18 @@ class LayerPrefetcher:
     def _read_all(self) -> None:
         try:
             for layer in range(self.num_layers):
-                for span in self.spans:
+                for span, rows in zip(self.spans, self.rows, strict=True):
                     entry = span.cached
-                    keys, values = entry.reader.layer(layer)
-                    entry.keys[layer].copy_(keys)
-                    entry.values[layer].copy_(values)
-                    self.keys_pre[layer, span.start : span.end] = entry.keys[layer]
-                    self.values[layer, span.start : span.end] = entry.values[layer]
+                    if rows is None:
+                        keys, values = entry.reader.layer(layer)
+                        entry.keys[layer].copy_(keys)
+                        entry.values[layer].copy_(values)
+                        self.keys_pre[layer, span.start : span.end] = entry.keys[layer]
+                        self.values[layer, span.start : span.end] = entry.values[layer]
+                        continue
+                    for start, end, keys, values in entry.reader.rows(layer, rows):
+                        self.keys_pre[layer, span.start + start : span.start + end] = keys
+                        self.values[layer, span.start + start : span.start + end] = values
                 with self._cond:
                     self._done = layer + 1
                     self._cond.notify_all()
@@ -99,9 +114,9 @@ class LayerPrefetcher:
         self.times.wait_s += time.perf_counter() - started
 
     def finish(self) -> list:
-        """Join the thread; the fully read entries (to promote to RAM)."""
+        """Join the thread; the fully read entries (to promote to RAM; sparse ones are not)."""
         if self._thread is not None:
             self._thread.join()
         if self._error is not None:
             raise self._error
-        return [s.cached for s in self.spans]
+        return [s.cached for s, rows in zip(self.spans, self.rows, strict=True) if rows is None]

@@ -102,3 +102,59 @@ def test_bench_prefetch_measures_both_modes_cold(tiny_llama_dir, tmp_path):
     assert not any("prefetch_read_s" in r["stage_times"] for r in rows if r["mode"] == "sync")
     assert result["summary"]["ttft_ratio_prefetch_vs_sync_median"] > 0
     assert "TTFT prefetch / sync" in out.with_suffix(".md").read_text()
+
+
+def test_runs_merge_small_gaps():
+    from engine_sidecar.store.disk import _runs
+
+    assert _runs(torch.tensor([0, 1, 2, 5, 6, 20]), max_gap=1) == [(0, 3), (5, 7), (20, 21)]
+    assert _runs(torch.tensor([0, 1, 2, 5, 6, 20]), max_gap=2) == [(0, 7), (20, 21)]
+    assert _runs(torch.tensor([], dtype=torch.long), max_gap=3) == []
+
+
+def test_sparse_rows_are_verified_and_scores_are_stored(tmp_path):
+    from engine_sidecar.frequency import frequency_scores
+
+    tier = DiskTier(tmp_path)
+    keys, values = torch.randn(2, 40, 2, 4), torch.randn(2, 40, 2, 4)
+    tier.put("cd" * 20, ChunkKV(keys, values, torch.arange(40)))
+    tier.flush()
+    lazy = tier.lazy("cd" * 20)
+    assert torch.allclose(lazy.scores, frequency_scores(keys, values))
+    got = lazy.reader.rows(1, torch.tensor([3, 4, 30]), max_gap=0)
+    assert [(a, b) for a, b, _, _ in got] == [(3, 5), (30, 31)]
+    assert torch.equal(got[0][2], keys[1, 3:5]) and torch.equal(got[1][3], values[1, 30:31])
+    assert lazy.reader.rows_read == 3
+    path = tier.path_for("cd" * 20)
+    header = int.from_bytes(path.read_bytes()[:8], "little")
+    data = bytearray(path.read_bytes())
+    # damage one value row of layer 1 (values come after keys in the file, stored alphabetically)
+    import json
+
+    info = json.loads(data[8 : 8 + header])["values"]["data_offsets"]
+    row_bytes = 2 * 4 * 4
+    at = 8 + header + info[0] + (40 + 30) * row_bytes  # layer 1, token 30
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    damaged = tier.lazy("cd" * 20)
+    damaged.reader.rows(1, torch.tensor([3, 4]), max_gap=0)  # untouched rows still read
+    with pytest.raises(DamagedCacheFile):
+        damaged.reader.rows(1, torch.tensor([30]), max_gap=0)
+
+
+def test_cachetune_sparse_load_equals_full_load_and_is_not_promoted(tiny_llama_dir, tmp_path):
+    cache = tmp_path / "kv"
+    with cold_engine(tiny_llama_dir, cache, True) as warm:
+        warm.warm(PASSAGES)
+        warm.generate(PROMPT, {"max_tokens": 1}, policy="cachetune:0.3")  # stores the template prefix
+        warm.store.flush()
+    with cold_engine(tiny_llama_dir, cache, False) as sync:
+        expected, _ = sync.prefill_logits(PROMPT, policy="cachetune:0.3")
+    with cold_engine(tiny_llama_dir, cache, True) as engine:
+        result = engine.generate(PROMPT, {"max_tokens": 1}, policy="cachetune:0.3")
+        assert result.stats.stage_times["prefetch_rows_skipped"] == result.stats.tokens_recomputed > 0
+        assert len(engine.store.ram) == 1  # only the fully read template prefix; sparse chunks are not kept
+    with cold_engine(tiny_llama_dir, cache, True) as engine:
+        logits, stats = engine.prefill_logits(PROMPT, policy="cachetune:0.3")
+        assert stats.chunk_hits == 3
+        assert torch.allclose(logits, expected, atol=1e-5)

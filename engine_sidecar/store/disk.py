@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine_sidecar.frequency import frequency_scores
 from engine_sidecar.store.entry import ChunkKV
 
 log = logging.getLogger("ragcache.store")
@@ -47,10 +48,37 @@ class LayerReader:
     def __init__(self, tier: DiskTier, digest: str, path: Path, handle, checksums: list[str]):
         self.tier, self.digest, self.path = tier, digest, path
         self._handle, self._checksums = handle, checksums
+        self._row_sums: torch.Tensor | None = None
+        self.rows_read = 0  # token rows read by `rows` (sparse load), over all layers
 
     @property
     def num_layers(self) -> int:
         return len(self._checksums)
+
+    def read_into(self, entry: ChunkKV) -> None:
+        """Every layer, verified, into the entry (which stops being lazy)."""
+        for layer in range(self.num_layers):
+            keys, values = self.layer(layer)
+            entry.keys[layer].copy_(keys)
+            entry.values[layer].copy_(values)
+        entry.reader = None
+
+    def rows(self, index: int, rows: torch.Tensor, max_gap: int = 8) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Only these token rows of one layer (ascending local indices), read as contiguous runs
+        (through gaps up to max_gap rows) and verified row by row: (start, end, keys, values)."""
+        if self._row_sums is None:
+            self._row_sums = self._handle.get_tensor("row_sums")
+        out = []
+        keys_slice, values_slice = self._handle.get_slice("keys"), self._handle.get_slice("values")
+        for start, end in _runs(rows, max_gap):
+            keys = keys_slice[index : index + 1, start:end]
+            values = values_slice[index : index + 1, start:end]
+            if not torch.equal(_row_sums(keys, values)[0], self._row_sums[index, start:end]):
+                self.tier.forget_damaged(self.path, f"layer {index} rows {start}-{end} checksum mismatch")
+                raise DamagedCacheFile(f"chunk cache file {self.path.name}: layer {index} is damaged")
+            out.append((start, end, keys[0], values[0]))
+            self.rows_read += end - start
+        return out
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys = self._handle.get_slice("keys")[index : index + 1]
@@ -62,6 +90,27 @@ class LayerReader:
 
     def close(self) -> None:
         self._handle = None
+
+
+def _row_sums(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[L, n] int64: a position-weighted sum of each (layer, token) row's 32-bit words, K then V.
+    Any changed word changes it; computed with tensor ops, so verifying the rows of a sparse
+    read costs little next to reading them."""
+    words = torch.cat([keys.contiguous().view(torch.int32).flatten(2), values.contiguous().view(torch.int32).flatten(2)],
+                      dim=2).to(torch.int64)
+    weights = torch.arange(1, words.shape[2] + 1, dtype=torch.int64)
+    return (words * weights).sum(dim=2)
+
+
+def _runs(rows: torch.Tensor, max_gap: int) -> list[tuple[int, int]]:
+    """Ascending row indices -> [start, end) ranges, reading through gaps up to max_gap rows."""
+    out: list[tuple[int, int]] = []
+    for r in rows.tolist():
+        if out and r - out[-1][1] <= max_gap:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return out
 
 
 def _checksum(entry_tensors: dict[str, torch.Tensor]) -> str:
@@ -108,8 +157,10 @@ class DiskTier:
     def _write(self, digest: str, entry: ChunkKV) -> None:
         path = self.path_for(digest)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"keys": entry.keys.cpu().contiguous(), "values": entry.values.cpu().contiguous(),
-                   "token_ids": entry.token_ids.cpu().contiguous()}
+        keys, values = entry.keys.cpu().contiguous(), entry.values.cpu().contiguous()
+        scores = entry.scores if entry.scores is not None else frequency_scores(keys, values)
+        tensors = {"keys": keys, "values": values, "token_ids": entry.token_ids.cpu().contiguous(),
+                   "tune_scores": scores.float().cpu().contiguous(), "row_sums": _row_sums(keys, values)}
         meta = {"digest": digest, "checksum": _checksum(tensors), "chunk_id": entry.chunk_id or "",
                 "tenant": entry.tenant, "layer_checksums": _layer_checksums(tensors["keys"], tensors["values"]),
                 **entry.meta}
@@ -134,7 +185,7 @@ class DiskTier:
             return None
         extra = {k: v for k, v in meta.items() if k not in _RESERVED_META}
         return ChunkKV(tensors["keys"], tensors["values"], tensors["token_ids"],
-                       meta.get("chunk_id") or None, meta.get("tenant", ""), extra)
+                       meta.get("chunk_id") or None, meta.get("tenant", ""), extra, scores=tensors.get("tune_scores"))
 
     def forget_damaged(self, path: Path, why: str) -> None:
         self.corrupt_files_seen += 1
@@ -157,6 +208,10 @@ class DiskTier:
                 return None
             checksums = meta["layer_checksums"].split(",")
             token_ids = handle.get_tensor("token_ids")
+            names = set(handle.keys())
+            scores = handle.get_tensor("tune_scores") if "tune_scores" in names else None
+            if "row_sums" not in names:
+                return None
             shape = handle.get_slice("keys").get_shape()
             dtype = handle.get_slice("keys").get_dtype()
             if len(shape) != 4 or shape[0] != len(checksums) or shape[1] != token_ids.shape[0]:
@@ -170,7 +225,8 @@ class DiskTier:
         keys = torch.empty(shape, dtype=torch_dtype)
         values = torch.empty(shape, dtype=torch_dtype)
         extra = {k: v for k, v in meta.items() if k not in _RESERVED_META}
-        entry = ChunkKV(keys, values, token_ids, meta.get("chunk_id") or None, meta.get("tenant", ""), extra)
+        entry = ChunkKV(keys, values, token_ids, meta.get("chunk_id") or None, meta.get("tenant", ""), extra,
+                        scores=scores)
         entry.reader = LayerReader(self, digest, path, handle, checksums)
         return entry
 

@@ -40,6 +40,7 @@ class ChunkKV:
     # set while the KV is still on disk: keys/values are allocated but filled a layer at a time
     # by layer-wise prefetch (store.disk.LayerReader); None once they hold the data
     reader: Any = field(default=None, repr=False, compare=False)
+    scores: torch.Tensor | None = None  # CacheTune frequency scores [n] (cutoff 0.5), from the disk tier
 
     @property
     def num_tokens(self) -> int:
