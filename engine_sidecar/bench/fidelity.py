@@ -127,10 +127,12 @@ def scatter_plot(summary: dict[str, dict[str, float]], config: dict[str, Any], p
     except ImportError:  # the bench extra is not installed: the table and JSON still stand
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
-    for name, m in summary.items():
+    for i, (name, m) in enumerate(summary.items()):
         ax.scatter(m["ttft_ratio_vs_full"], m["rouge_l_vs_full"], s=36)
-        ax.annotate(f"{name} ({m['recompute_share']:.2f})", (m["ttft_ratio_vs_full"], m["rouge_l_vs_full"]),
-                    textcoords="offset points", xytext=(5, 4), fontsize=8)
+        share = "all computed" if name == "full" else f"{m['recompute_share']:.2f}"
+        # alternate label sides so neighbouring points stay readable
+        ax.annotate(f"{name} ({share})", (m["ttft_ratio_vs_full"], m["rouge_l_vs_full"]),
+                    textcoords="offset points", xytext=(6, 4) if i % 2 else (6, -11), fontsize=8)
     ax.set_xlabel("TTFT / full prefill TTFT (median, lower is faster)")
     ax.set_ylabel("ROUGE-L of the answer vs full prefill's")
     ax.set_title(f"{Path(str(config['data'])).stem}: {config['n']} questions, k={config['k']} "
