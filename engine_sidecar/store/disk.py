@@ -22,18 +22,7 @@ from engine_sidecar.store.entry import ChunkKV
 
 log = logging.getLogger("ragcache.store")
 _SUFFIX = ".kv.safetensors"
-_RESERVED_META = ("digest", "checksum", "chunk_id", "tenant", "layer_checksums")
-
-
-def _layer_checksums(keys: torch.Tensor, values: torch.Tensor) -> str:
-    """One short digest per layer (keys then values), so a per-layer read can be verified alone."""
-    out = []
-    for layer in range(keys.shape[0]):
-        h = hashlib.blake2b(digest_size=8)
-        for t in (keys[layer], values[layer]):
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        out.append(h.hexdigest())
-    return ",".join(out)
+_RESERVED_META = ("digest", "checksum", "chunk_id", "tenant")
 
 
 class DamagedCacheFile(RuntimeError):
@@ -41,19 +30,23 @@ class DamagedCacheFile(RuntimeError):
 
 
 class LayerReader:
-    """Reads one stored chunk's KV a layer at a time (safetensors slices), verifying each layer
-    against the checksum written with it: what layer-wise prefetch reads while earlier layers
-    are computed."""
+    """Reads one stored chunk's KV a layer at a time (safetensors slices), or only some token
+    rows of a layer, verifying every row read against the row checksums written with it: what
+    layer-wise prefetch reads while earlier layers are computed."""
 
-    def __init__(self, tier: DiskTier, digest: str, path: Path, handle, checksums: list[str]):
+    def __init__(self, tier: DiskTier, digest: str, path: Path, handle, row_sums: torch.Tensor):
         self.tier, self.digest, self.path = tier, digest, path
-        self._handle, self._checksums = handle, checksums
-        self._row_sums: torch.Tensor | None = None
+        self._handle, self._row_sums = handle, row_sums
         self.rows_read = 0  # token rows read by `rows` (sparse load), over all layers
 
     @property
     def num_layers(self) -> int:
-        return len(self._checksums)
+        return int(self._row_sums.shape[0])
+
+    def _verify(self, index: int, start: int, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if not torch.equal(_row_sums(keys, values)[0], self._row_sums[index, start:end]):
+            self.tier.forget_damaged(self.path, f"layer {index} rows {start}-{end} checksum mismatch")
+            raise DamagedCacheFile(f"chunk cache file {self.path.name}: layer {index} is damaged")
 
     def read_into(self, entry: ChunkKV) -> None:
         """Every layer, verified, into the entry (which stops being lazy)."""
@@ -66,16 +59,12 @@ class LayerReader:
     def rows(self, index: int, rows: torch.Tensor, max_gap: int = 8) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
         """Only these token rows of one layer (ascending local indices), read as contiguous runs
         (through gaps up to max_gap rows) and verified row by row: (start, end, keys, values)."""
-        if self._row_sums is None:
-            self._row_sums = self._handle.get_tensor("row_sums")
         out = []
         keys_slice, values_slice = self._handle.get_slice("keys"), self._handle.get_slice("values")
         for start, end in _runs(rows, max_gap):
             keys = keys_slice[index : index + 1, start:end]
             values = values_slice[index : index + 1, start:end]
-            if not torch.equal(_row_sums(keys, values)[0], self._row_sums[index, start:end]):
-                self.tier.forget_damaged(self.path, f"layer {index} rows {start}-{end} checksum mismatch")
-                raise DamagedCacheFile(f"chunk cache file {self.path.name}: layer {index} is damaged")
+            self._verify(index, start, end, keys, values)
             out.append((start, end, keys[0], values[0]))
             self.rows_read += end - start
         return out
@@ -83,9 +72,7 @@ class LayerReader:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys = self._handle.get_slice("keys")[index : index + 1]
         values = self._handle.get_slice("values")[index : index + 1]
-        if _layer_checksums(keys, values) != self._checksums[index]:
-            self.tier.forget_damaged(self.path, f"layer {index} checksum mismatch")
-            raise DamagedCacheFile(f"chunk cache file {self.path.name}: layer {index} is damaged")
+        self._verify(index, 0, keys.shape[1], keys, values)
         return keys[0], values[0]
 
     def close(self) -> None:
@@ -162,8 +149,7 @@ class DiskTier:
         tensors = {"keys": keys, "values": values, "token_ids": entry.token_ids.cpu().contiguous(),
                    "tune_scores": scores.float().cpu().contiguous(), "row_sums": _row_sums(keys, values)}
         meta = {"digest": digest, "checksum": _checksum(tensors), "chunk_id": entry.chunk_id or "",
-                "tenant": entry.tenant, "layer_checksums": _layer_checksums(tensors["keys"], tensors["values"]),
-                **entry.meta}
+                "tenant": entry.tenant, **entry.meta}
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)
@@ -194,7 +180,7 @@ class DiskTier:
 
     def lazy(self, digest: str) -> ChunkKV | None:
         """The entry with its token ids and shapes read now and its KV still on disk, to be read a
-        layer at a time (`ChunkKV.reader`); None if absent, damaged, or written before per-layer
+        layer at a time (`ChunkKV.reader`); None if absent, damaged, or written before row
         checksums existed (then `get` reads it whole)."""
         path = self.path_for(digest)
         if not path.is_file():
@@ -204,18 +190,16 @@ class DiskTier:
 
             handle = safe_open(str(path), framework="pt")
             meta = handle.metadata() or {}
-            if meta.get("digest") != digest or "layer_checksums" not in meta:
-                return None
-            checksums = meta["layer_checksums"].split(",")
-            token_ids = handle.get_tensor("token_ids")
             names = set(handle.keys())
-            scores = handle.get_tensor("tune_scores") if "tune_scores" in names else None
-            if "row_sums" not in names:
+            if meta.get("digest") != digest or "row_sums" not in names:
                 return None
+            token_ids = handle.get_tensor("token_ids")
+            row_sums = handle.get_tensor("row_sums")
+            scores = handle.get_tensor("tune_scores") if "tune_scores" in names else None
             shape = handle.get_slice("keys").get_shape()
             dtype = handle.get_slice("keys").get_dtype()
-            if len(shape) != 4 or shape[0] != len(checksums) or shape[1] != token_ids.shape[0]:
-                raise ValueError("shapes disagree with the metadata")
+            if len(shape) != 4 or tuple(row_sums.shape) != tuple(shape[:2]) or shape[1] != token_ids.shape[0]:
+                raise ValueError("shapes disagree with the row checksums")
         except Exception as exc:  # a damaged header is a miss, like in `get`
             self.forget_damaged(path, str(exc))
             return None
@@ -227,7 +211,7 @@ class DiskTier:
         extra = {k: v for k, v in meta.items() if k not in _RESERVED_META}
         entry = ChunkKV(keys, values, token_ids, meta.get("chunk_id") or None, meta.get("tenant", ""), extra,
                         scores=scores)
-        entry.reader = LayerReader(self, digest, path, handle, checksums)
+        entry.reader = LayerReader(self, digest, path, handle, row_sums)
         return entry
 
     def remove(self, digest: str) -> bool:
