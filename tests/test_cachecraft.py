@@ -185,3 +185,17 @@ def test_costly_fix_makes_a_new_variant_and_eviction_drops_the_old_kv(tiny_llama
         assert not eng.store.contains(old.key) and eng.store.contains(new.key)
     finally:
         eng.close()
+
+
+def test_focused_chunk_early_termination_stops_recompute_of_unfocused_chunks(engine):
+    engine.generate({"chunks": [A, B, C], "question": "Where?"}, {"max_tokens": 1}, policy="cachecraft")
+    prompt = {"chunks": [C, B, A], "question": "Which river flows into the Mediterranean Sea?"}
+    keep_going = CacheCraftPolicy(alpha=0.5, early_stop=False)  # CFO <= 0.5: every chunk reuses a variant
+    _, full_stats = engine.prefill_logits(prompt, policy=keep_going)
+    stopping = CacheCraftPolicy(alpha=0.5, window=1)  # stop as soon as the focused set is seen once
+    _, stats = engine.prefill_logits(prompt, policy=stopping)
+    assert stopping.stopped_at == 0  # window 1: decided at the first layer
+    assert keep_going.stopped_at is None
+    assert stats.chunk_hits == full_stats.chunk_hits == 3
+    assert stats.tokens_recomputed < full_stats.tokens_recomputed  # unfocused chunks dropped out
+    assert stats.computed_fraction < full_stats.computed_fraction
