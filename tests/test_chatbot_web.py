@@ -92,3 +92,17 @@ def test_page_in_headless_chromium(chatbot, tmp_path):
     assert "TTFT" in first.numbers and "reused" in second.numbers
     assert second.answer.strip() and second.tokens_reused > 0
     assert shot.stat().st_size > 10_000
+
+
+def test_unreachable_sidecar_is_a_one_line_error(tmp_path):
+    import subprocess
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(DOCS["nile.txt"], encoding="utf-8")
+    assert ingest.main(["--docs", str(docs), "--qdrant-path", str(tmp_path / "q")]) == 0
+    proc = subprocess.run([sys.executable, "-m", "examples.chatbot.web", "--base-url", "http://127.0.0.1:9",
+                           "--qdrant-path", str(tmp_path / "q"), "--no-ingest", "--port", "0"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("chatbot: error: the engine did not answer")

@@ -146,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                                   ChatSettings(k=args.k, policy=args.policy, max_tokens=args.max_tokens))
         except ValueError as exc:
             raise SystemExit(f"chatbot: error: {exc}") from None
-        cost = service.measure_full_prefill()
+        try:
+            cost = service.measure_full_prefill()
+        except Exception as exc:  # the first request to the engine: an unreachable sidecar shows here
+            raise SystemExit(f"chatbot: error: the engine did not answer ({type(exc).__name__}: {exc}); "
+                             "check --base-url and that `ragcache serve` is running") from None
         print(f"full prefill measured: {cost.ms_per_token:.2f} ms/token ({cost.tokens} tokens)", flush=True)
         host, port = sock.getsockname()[:2]
         print(f"ragcache chatbot on http://{host}:{port}/  (sidecar: {backend.get('base_url', 'in-process')}; "
