@@ -54,10 +54,11 @@ async def ask_all(reuse: Any, full: Any, questions: list[str], out: Any) -> list
 def summary_table(rows: list[tuple[dict, dict]], policy: str) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"what reuse saved ({policy} vs full prefill, same sidecar, same run)")
-    for col in ("turn", "prompt tokens", "reused", "recomputed", "computed", "chunk hits", "TTFT",
-                "full prefill", "speed-up"):
-        table.add_column(col, justify="right")
+    table = Table(title=f"what reuse saved ({policy} vs full prefill, same sidecar, same run)",
+                  caption="tokens: prompt tokens; recomp: reused but recomputed; fresh: computed without cache; "
+                          "full: full prefill TTFT")
+    for col in ("turn", "tokens", "reused", "recomp", "fresh", "hits", "TTFT", "full", "speed-up"):
+        table.add_column(col, justify="right", no_wrap=True)
     for stats, full in rows:
         table.add_row(str(stats["turn"]), str(stats["prefill_tokens"]), str(stats["tokens_reused"]),
                       str(stats["tokens_recomputed"]), str(stats["tokens_computed"]),
