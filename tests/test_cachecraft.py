@@ -121,13 +121,9 @@ C = "The Great Barrier Reef is the largest coral reef system, off Queensland, Au
 
 
 @pytest.fixture
-def engine(tiny_llama_dir, tmp_path):
-    from engine_sidecar import Engine
-
-    eng = Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
-                                 prefix_tree=False)
-    yield eng
-    eng.close()
+def engine(tiny_engine):
+    """The shared tiny engine (CP-Tree off), named for what these tests do with it."""
+    return tiny_engine
 
 
 def test_first_sight_records_variants_then_a_new_order_reuses_them(engine):

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import track
 
 from engine_sidecar.bench.metrics import exact_match, rouge_l, token_f1
+from engine_sidecar.bench.report import write_report
 from engine_sidecar.errors import InvalidPromptError
 from ragcache_integrations.types import ChunkedPrompt, SamplingParams
 
@@ -109,11 +110,9 @@ def run_fidelity(args: argparse.Namespace) -> int:
     table = markdown_table(summary, config)
     print(table)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"config": config, "policies": summary, "rows": rows}, indent=1))
-        args.json.with_suffix(".md").write_text(table + "\n", encoding="utf-8")
+        written = write_report(args.json, {"config": config, "policies": summary, "rows": rows}, table)
         plot = scatter_plot(summary, config, args.json.with_suffix(".png"))
-        console.print(f"wrote {args.json}, {args.json.with_suffix('.md')}" + (f", {plot}" if plot else ""))
+        console.print("wrote " + ", ".join(str(p) for p in [*written, *([plot] if plot else [])]))
     return 0
 
 

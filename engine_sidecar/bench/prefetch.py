@@ -9,7 +9,6 @@ engine, interleaved and alternating which goes first, so the ratio is measured s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import track
 
+from engine_sidecar.bench.report import write_report
 from ragcache_integrations.types import ChunkedPrompt
 
 MODES = ("sync", "prefetch")
@@ -85,10 +85,8 @@ def run_prefetch(args: argparse.Namespace) -> int:
     table = markdown_table(summary, config)
     print(table)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"config": config, "summary": summary, "rows": rows}, indent=1))
-        args.json.with_suffix(".md").write_text(table + "\n", encoding="utf-8")
-        console.print(f"wrote {args.json}")
+        written = write_report(args.json, {"config": config, "summary": summary, "rows": rows}, table)
+        console.print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

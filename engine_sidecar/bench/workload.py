@@ -10,7 +10,6 @@ client up to the first streamed token (HTTP on loopback included).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from rich.console import Console
 from rich.progress import track
 
 from engine_sidecar.bench.metrics import rouge_l
+from engine_sidecar.bench.report import write_report
 from engine_sidecar.bench.stream import Request, build_stream, load_corpus, overlap_fractions
 from engine_sidecar.bench.vllm_peer import VLLM_ENV_HELP, VllmServer, find_vllm_python
 from engine_sidecar.engine import Engine, EngineConfig
@@ -108,11 +108,11 @@ def run_workload(args: argparse.Namespace) -> int:
     config.update({"passages": len(corpus.passages), "stream_requests": len(stream),
                    "conversation_turns": sum(1 for r in stream if r.conversation_id),
                    "model": str(model_dir), "vllm_note": vllm_note})
-    print(markdown_table(summary, config))
+    table = markdown_table(summary, config)
+    print(table)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"config": config, "systems": summary}, indent=1))
-        console.print(f"wrote {args.json}")
+        written = write_report(args.json, {"config": config, "systems": summary}, table)
+        console.print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 
