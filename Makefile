@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ragcache-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo chatbot browser test lint clean-cache vllm-env bench-fidelity bench-workload
+.PHONY: install model demo chatbot browser test lint clean-cache vllm-env bench-fidelity bench-prefetch bench-workload
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,7 +61,12 @@ vllm-env:
 
 DATA ?= ../shared/data/musique_s.json
 bench-fidelity: model
-	$(BIN)/ragcache bench fidelity --data $(DATA) --n 20 --k 4 --policies full,reuse,cacheblend:0.15,cacheblend:0.3,epic:16 --json bench-results/fidelity.json
+	$(BIN)/ragcache bench fidelity --data $(DATA) --n 10 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:16,epic:75,cachetune:0.15,cachecraft:0.3,cachecraft:1 --json bench-results/fidelity-all-musique.json
+	$(BIN)/ragcache bench fidelity --data fanoutqa --n 24 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:2,cachetune:0.15,cachecraft:0.3,cachecraft:1 --json bench-results/fidelity-all-fanoutqa.json
+
+bench-prefetch: model
+	$(BIN)/ragcache bench prefetch --data $(DATA) --n 5 --k 4 --repeats 3 --policy cacheblend --json bench-results/prefetch.json
+	$(BIN)/ragcache bench prefetch --data $(DATA) --n 5 --k 4 --repeats 3 --policy cachetune:0.15 --json bench-results/prefetch-cachetune.json
 
 bench-workload: model
 	$(BIN)/ragcache bench workload --corpus $(DATA) --requests 40 --k 4 --json bench-results/workload.json
