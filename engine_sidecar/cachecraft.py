@@ -21,8 +21,9 @@ variants (N*M in all); the lowest-CFO variant is used, its frequency-reuse score
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -132,6 +133,28 @@ class Variant:
     inter: torch.Tensor  # [n] per-token inter-attention, averaged over layers and heads
     key: CacheKey
     reuse_score: float = 0.0  # f_r
+
+
+VARIANT_META = "cachecraft_variant"
+
+
+def variant_to_meta(variant: Variant) -> str:
+    """What a variant's file carries in its metadata to rebuild the index after a restart."""
+    return json.dumps({"chunk": variant.chunk_digest, "prefix": list(variant.prefix), "cci": variant.cci,
+                       "inter": [round(float(x), 6) for x in variant.inter]})
+
+
+def variant_from_meta(text: str, tenant: str, make_key: Callable[[str, str, str], CacheKey]) -> Variant | None:
+    """The variant a file's metadata describes (its key from `make_key(chunk digest, tenant,
+    context)`), or None if the metadata is not a variant's."""
+    try:
+        data = json.loads(text)
+        prefix = tuple(str(p) for p in data["prefix"])
+        return Variant(tenant, str(data["chunk"]), prefix, float(data["cci"]),
+                       torch.tensor(data["inter"], dtype=torch.float32),
+                       make_key(str(data["chunk"]), tenant, prefix_context(prefix)))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass

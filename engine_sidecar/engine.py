@@ -18,7 +18,14 @@ from typing import Literal
 import torch
 
 from engine_sidecar.adaptive import CostMeter
-from engine_sidecar.cachecraft import Variant, VariantIndex, prefix_context
+from engine_sidecar.cachecraft import (
+    VARIANT_META,
+    Variant,
+    VariantIndex,
+    prefix_context,
+    variant_from_meta,
+    variant_to_meta,
+)
 from engine_sidecar.conversation import Conversation, ConversationStore
 from engine_sidecar.cptree import CPTree
 from engine_sidecar.errors import PromptTooLongError
@@ -29,7 +36,7 @@ from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.paths import default_cache_dir
 from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.planner import PlannedRequest, Planner
-from engine_sidecar.policies import Policy, ReusePolicy, parse_policy
+from engine_sidecar.policies import CacheCraftPolicy, Policy, ReusePolicy, parse_policy
 from engine_sidecar.prefetch import preload_depth
 from engine_sidecar.prompt import PromptBuilder, Segment
 from engine_sidecar.reorder import ChunkAccessTable, access_key, check_order
@@ -109,6 +116,7 @@ class Engine:
         self.variants = VariantIndex(config.cachecraft_variants_per_chunk, config.cachecraft_max_chunks)
         self.costs = CostMeter()
         self._lazy_reads = False
+        self._variants_loaded = False
         store.on_disk_load = lambda seconds, tokens: self.costs.observe_load("disk", seconds, tokens)
         self.cptree = CPTree(lambda node: self.store.contains(self.planner.node_key(node)), config.promote_threshold)
 
@@ -168,9 +176,10 @@ class Engine:
         return ChunkKV(result.kv.keys_pre[:, start:end].clone(), result.kv.values[:, start:end].clone(),
                        torch.tensor(chunk_seg.token_ids, dtype=torch.long), chunk_seg.chunk_id, tenant)
 
-    def _store_span(self, kv: KVBuffer, span: PlanSpan, tenant: str, context: str) -> None:
+    def _store_span(self, kv: KVBuffer, span: PlanSpan, tenant: str, context: str,
+                    meta: dict[str, str] | None = None) -> None:
         entry = ChunkKV(kv.keys_pre[:, span.start : span.end].clone(), kv.values[:, span.start : span.end].clone(),
-                        torch.tensor(span.token_ids, dtype=torch.long), span.chunk_id, tenant)
+                        torch.tensor(span.token_ids, dtype=torch.long), span.chunk_id, tenant, dict(meta or {}))
         self.store.put(self._key(span.token_ids, tenant, context), entry)
 
     def _check_chunk_fits(self, seg: Segment, index: int | None = None) -> None:
@@ -382,6 +391,8 @@ class Engine:
 
     def _plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, lazy: bool = True) -> PlannedRequest:
         disk_hits = self.store.hits_disk
+        if isinstance(policy, CacheCraftPolicy):
+            self._load_variants()
         # policies that read every cached layer before layer 0 (CacheTune's scores) load eagerly
         self._lazy_reads = lazy and self.config.prefetch and not policy.needs_cached_kv
         try:
@@ -461,12 +472,33 @@ class Engine:
         for rec in planned.craft:  # Cache-Craft: chunks computed in this request's context become variants
             span = plan.spans[rec.span_index]
             context = prefix_context(rec.prefix)
-            self._store_span(result.kv, span, tenant, context)
             variant = Variant(tenant, rec.chunk_digest, rec.prefix, rec.cci, rec.inter,
                               self._key(span.token_ids, tenant, context))
-            for evicted in self.variants.add(variant):
-                if evicted.key != variant.key:
-                    self.store.remove(evicted.key)
+            # the variant's metadata rides with its KV, so the index can be rebuilt after a restart
+            self._store_span(result.kv, span, tenant, context, {VARIANT_META: variant_to_meta(variant)})
+            self._add_variant(variant)
+
+    def _add_variant(self, variant: Variant) -> None:
+        for evicted in self.variants.add(variant):
+            if evicted.key != variant.key:
+                self.store.remove(evicted.key)
+
+    def _load_variants(self) -> None:
+        """Once per engine: rebuild Cache-Craft's variant index from the disk tier (variants of
+        this model and tokenizer only: their keys must reproduce the file's digest)."""
+        if self._variants_loaded:
+            return
+        self._variants_loaded = True
+        if self.store.disk is None:
+            return
+        for digest in self.store.disk.digests():
+            meta = self.store.disk.metadata(digest)
+            if VARIANT_META not in meta:
+                continue
+            variant = variant_from_meta(meta[VARIANT_META], meta.get("tenant", ""),
+                                        lambda chunk, tenant, context: self._key_digest(chunk, tenant, context))
+            if variant is not None and variant.key.digest == digest:
+                self._add_variant(variant)
 
     def _stats(self, planned: PlannedRequest, result: PrefillResult, ttft: float,
                policy: Policy, times: dict[str, float]) -> GenerationStats:
@@ -495,6 +527,7 @@ class Engine:
         with self._lock:
             if chunk_id is None:
                 self.variants.clear()
+                self._variants_loaded = True  # the files are gone too
             return self.store.delete(chunk_id)
 
     def close(self) -> None:

@@ -195,3 +195,26 @@ def test_focused_chunk_early_termination_stops_recompute_of_unfocused_chunks(eng
     assert stats.chunk_hits == full_stats.chunk_hits == 3
     assert stats.tokens_recomputed < full_stats.tokens_recomputed  # unfocused chunks dropped out
     assert stats.computed_fraction < full_stats.computed_fraction
+
+
+def test_variants_survive_a_restart_through_the_disk_tier(tiny_llama_dir, tmp_path):
+    from engine_sidecar import Engine
+
+    def start() -> Engine:
+        return Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
+                                      prefix_tree=False)
+
+    with start() as first:
+        first.generate({"chunks": [A, B, C], "question": "Where?"}, {"max_tokens": 1}, policy="cachecraft")
+        recorded = {(v.chunk_digest, v.prefix, round(v.cci, 6)) for vs in first.variants._by_chunk.values() for v in vs}
+    with start() as second:
+        assert len(second.variants) == 0  # rebuilt on the first Cache-Craft request, not before
+        again = second.generate({"chunks": [C, A, B], "question": "Where?"}, {"max_tokens": 1},
+                                policy="cachecraft:0.5")
+        assert again.stats.chunk_hits == 3 and again.stats.chunk_misses == 0
+        rebuilt = {(v.chunk_digest, v.prefix, round(v.cci, 6)) for vs in second.variants._by_chunk.values() for v in vs}
+        assert rebuilt == recorded
+        second.clear_cache()
+        assert len(second.variants) == 0
+        cold = second.generate({"chunks": [C, A, B], "question": "Where?"}, {"max_tokens": 1}, policy="cachecraft")
+        assert cold.stats.chunk_misses == 3
