@@ -43,7 +43,22 @@ def test_fidelity_bench_runs_every_policy_family_and_writes_table_json_and_plot(
     result = json.loads(out.read_text())
     assert list(result["policies"]) == policies.split(",")
     assert result["policies"]["full"]["rouge_l_vs_full"] == 1.0
+    for m in result["policies"].values():
+        lo, hi = m["rouge_l_ci95"]
+        assert lo <= m["rouge_l_vs_full"] <= hi
     assert result["policies"]["reuse"]["recompute_share"] == 0.0
     assert 0.0 < result["policies"]["cachetune:0.15"]["recompute_share"] < 0.5
     assert "| cachecraft:0.5 |" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bootstrap_interval_brackets_the_mean_and_is_reproducible():
+    from engine_sidecar.bench.metrics import bootstrap_ci
+
+    values = [0.0, 1.0, 0.5, 0.25, 0.75, 1.0, 0.0, 0.5]
+    lo, hi = bootstrap_ci(values)
+    assert 0.0 <= lo < sum(values) / len(values) < hi <= 1.0
+    assert bootstrap_ci(values) == (lo, hi)  # fixed seed
+    assert bootstrap_ci([0.4] * 5) == (0.4, 0.4)
+    narrow = bootstrap_ci(values * 20)
+    assert narrow[1] - narrow[0] < hi - lo  # more questions, tighter interval

@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import track
 
-from engine_sidecar.bench.metrics import exact_match, rouge_l, token_f1
+from engine_sidecar.bench.metrics import bootstrap_ci, exact_match, rouge_l, token_f1
 from engine_sidecar.bench.report import write_report
 from engine_sidecar.errors import InvalidPromptError
 from ragcache_integrations.types import ChunkedPrompt, SamplingParams
@@ -149,10 +149,13 @@ def summarize(rows: list[dict[str, Any]], policies: list[str]) -> dict[str, dict
     for policy in policies:
         per = [(r, r["policies"][policy]) for r in rows]
         ttft = statistics.median(p["ttft_s"] for _, p in per)
+        rouge = [rouge_l(p["text"], r["policies"]["full"]["text"]) for r, p in per]
+        rouge_lo, rouge_hi = bootstrap_ci(rouge)
         out[policy] = {
             "em": statistics.mean(exact_match(p["text"], r["answers"]) for r, p in per),
             "f1": statistics.mean(token_f1(p["text"], r["answers"]) for r, p in per),
-            "rouge_l_vs_full": statistics.mean(rouge_l(p["text"], r["policies"]["full"]["text"]) for r, p in per),
+            "rouge_l_vs_full": statistics.mean(rouge),
+            "rouge_l_ci95": [rouge_lo, rouge_hi],
             "first_token_agreement": statistics.mean(
                 float(p["first_token"] == r["policies"]["full"]["first_token"]) for r, p in per),
             "ttft_median_s": ttft,
@@ -168,12 +171,13 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
         f"fidelity: {config['n']} questions, {config['k']} chunks each, {config['max_tokens']} tokens, "
         f"model {config['model']}",
         "",
-        "| policy | EM | F1 | ROUGE-L vs full | first-token agreement | TTFT median (s) | TTFT vs full | computed "
-        "| recompute share |",
+        "| policy | EM | F1 | ROUGE-L vs full (95% CI) | first-token agreement | TTFT median (s) | TTFT vs full "
+        "| computed | recompute share |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in summary.items():
-        lines.append(f"| {name} | {m['em']:.2f} | {m['f1']:.3f} | {m['rouge_l_vs_full']:.3f} | "
+        lo, hi = m.get("rouge_l_ci95", (m["rouge_l_vs_full"], m["rouge_l_vs_full"]))
+        lines.append(f"| {name} | {m['em']:.2f} | {m['f1']:.3f} | {m['rouge_l_vs_full']:.3f} ({lo:.2f}-{hi:.2f}) | "
                      f"{m['first_token_agreement']:.2f} | {m['ttft_median_s']:.3f} | {m['ttft_ratio_vs_full']:.3f} | "
                      f"{m['computed_fraction']:.3f} | {m['recompute_share']:.3f} |")
     if "transformers_prefill_median_s" in config:

@@ -53,3 +53,18 @@ def rouge_l(candidate: str, reference: str) -> float:
         return 0.0
     precision, recall = lcs / len(cand), lcs / len(ref)
     return 2 * precision * recall / (precision + recall)
+
+
+def bootstrap_ci(values: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean over questions (resampled with replacement,
+    fixed seed so a table can be regenerated exactly)."""
+    import random
+
+    if not values:
+        raise ValueError("no values")
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
+    lo = means[int((1 - level) / 2 * resamples)]
+    hi = means[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return lo, hi
