@@ -6,15 +6,18 @@ full prefill would have cost."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from examples.chatbot.chat import SYSTEM, make_retriever
 
+MAX_CONVERSATIONS = 1000  # per page process; the least recently used is forgotten first
 CONVERSATION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 # The calibration passage for the per-token prefill cost: unrelated to any ingested text, so
 # measuring it neither warms nor pollutes the chunk cache the chat uses.
@@ -55,19 +58,29 @@ class ChatService:
         self.settings = settings
         self.retriever = make_retriever(client, embed_model, settings.k)
         self.full_prefill: FullPrefillCost | None = None
-        self._runnables: dict[str, Any] = {}
+        # one runnable (and one HTTP client) for all conversations; each conversation gets a
+        # shallow copy that shares the backend and keeps its own id and last stats
+        from ragcache_integrations.langchain import ChunkCachedRunnable
+
+        self._template = ChunkCachedRunnable(**backend, system=settings.system, policy=settings.policy,
+                                             max_tokens=settings.max_tokens)
+        self._runnables: OrderedDict[str, Any] = OrderedDict()
         self._turn_locks: dict[str, asyncio.Lock] = {}
         self._turns: dict[str, int] = {}
         self._retrieve_lock = threading.Lock()  # Qdrant local mode is one client on one folder
 
     def _runnable(self, conversation_id: str) -> Any:
-        from ragcache_integrations.langchain import ChunkCachedRunnable
-
-        if conversation_id not in self._runnables:
-            self._runnables[conversation_id] = ChunkCachedRunnable(
-                **self.backend, system=self.settings.system, policy=self.settings.policy,
-                max_tokens=self.settings.max_tokens, conversation_id=conversation_id)
-        return self._runnables[conversation_id]
+        runnable = self._runnables.get(conversation_id)
+        if runnable is None:
+            runnable = copy.copy(self._template)
+            runnable.conversation_id, runnable.last_stats = conversation_id, {}
+            self._runnables[conversation_id] = runnable
+            while len(self._runnables) > MAX_CONVERSATIONS:  # the engine forgets idle ones too (TTL)
+                oldest, _ = self._runnables.popitem(last=False)
+                self._turns.pop(oldest, None)
+                self._turn_locks.pop(oldest, None)
+        self._runnables.move_to_end(conversation_id)
+        return runnable
 
     def measure_full_prefill(self) -> FullPrefillCost:
         """Time one full prefill (best of two) to estimate what full prefill of a turn would cost."""
