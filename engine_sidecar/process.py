@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -16,13 +17,22 @@ import httpx
 BANNER = re.compile(r"ragcache serving on (http://\S+)")
 
 
-def _die_with_parent() -> None:
-    """In the child: ask Linux to send SIGTERM when the parent dies, so a killed chatbot or test
-    run never leaves a sidecar holding a model in memory."""
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A function for the child (between fork and exec) asking Linux to send it SIGTERM when its
+    parent dies, so a killed chatbot or test run never leaves a sidecar holding a model. libc is
+    loaded here, in the parent: loading a library in a forked child of a threaded process can
+    deadlock."""
+    if sys.platform != "linux":
+        return None
     import ctypes
 
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
     pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    def in_child() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return in_child
 
 
 class SidecarError(RuntimeError):
@@ -50,7 +60,7 @@ class ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
-                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                         preexec_fn=_parent_death_signal())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

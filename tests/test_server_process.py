@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -65,3 +68,31 @@ def test_bad_serve_flags_are_refused_before_the_model_loads(tmp_path, flag, valu
     result = subprocess.run([sys.executable, "-m", "engine_sidecar.cli", "serve", "--model", str(tmp_path / "none"),
                              flag, value], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "ragcache: error:" in result.stderr and flag in result.stderr
+
+
+def test_a_sidecar_dies_with_its_killed_parent(tiny_llama_dir, tmp_path):
+    """SIGKILL leaves no chance to clean up: the kernel's parent-death signal stops the sidecar."""
+    parent_code = (
+        "import sys, time; from pathlib import Path; from engine_sidecar.process import SidecarProcess\n"
+        f"s = SidecarProcess(Path({str(tmp_path / 'log')!r}), '--model', {str(tiny_llama_dir)!r}, '--no-disk').start()\n"
+        "print(s.proc.pid, flush=True); time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+    try:
+        child_pid = int(parent.stdout.readline())
+        os.kill(child_pid, 0)  # running
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child_pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        os.kill(child_pid, signal.SIGKILL)
+        raise AssertionError("the sidecar outlived its killed parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
