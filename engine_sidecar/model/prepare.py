@@ -43,8 +43,18 @@ def gguf_architecture(path: Path) -> str:
 
 
 def _source_stamp(gguf: Path) -> dict[str, object]:
-    st = gguf.stat()
-    return {"gguf": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    """What the converted folder was made from, by content: the same wheel installed in two
+    virtualenvs (two clones, CI beside a checkout) is the same source, so neither converts again
+    (a path- or mtime-based stamp made them overwrite each other's folder)."""
+    import hashlib
+
+    size = gguf.stat().st_size
+    digest = hashlib.blake2b(digest_size=16)
+    with open(gguf, "rb") as handle:
+        digest.update(handle.read(1 << 20))
+        handle.seek(max(0, size - (1 << 20)))
+        digest.update(handle.read(1 << 20))
+    return {"size": size, "head_tail_blake2b": digest.hexdigest()}
 
 
 def is_prepared(out_dir: Path, gguf: Path | None = None) -> bool:
