@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--max-tokens", type=int, default=32)
     fid.add_argument("--json", type=Path, default=None, help="write results JSON here")
     fid.add_argument("--no-transformers", action="store_true", help="skip timing transformers' own prefill")
+    fid.add_argument("--follow-up", action="store_true",
+                     help="measure turn 2 of a conversation per policy: each question, then the next record's "
+                          "question over its own passages in the same conversation")
     _engine_args(fid)
     fid.set_defaults(func=cmd_bench_fidelity)
 

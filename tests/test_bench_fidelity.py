@@ -62,3 +62,24 @@ def test_bootstrap_interval_brackets_the_mean_and_is_reproducible():
     assert bootstrap_ci([0.4] * 5) == (0.4, 0.4)
     narrow = bootstrap_ci(values * 20)
     assert narrow[1] - narrow[0] < hi - lo  # more questions, tighter interval
+
+
+def run_bench(model_dir, out, *extra: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--k", "3",
+         "--model", str(model_dir), "--no-transformers", "--no-disk", "--max-tokens", "3", "--json", str(out), *extra],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_follow_up_mode_measures_turn_two_of_a_conversation(tiny_llama_dir, tmp_path):
+    follow = run_bench(tiny_llama_dir, tmp_path / "follow.json", "--n", "3", "--follow-up",
+                       "--policies", "full,cacheblend:0.15,cachecraft:0.5")
+    single = run_bench(tiny_llama_dir, tmp_path / "single.json", "--n", "2", "--policies", "full")
+    assert follow["config"]["follow_up"] is True and len(follow["rows"]) == 2
+    records = fanoutqa_records()
+    assert [r["question"] for r in follow["rows"]] == [records[1]["question"], records[2]["question"]]
+    # turn 2 carries turn 1's history: its prompt is longer than the same question asked alone
+    assert follow["rows"][0]["policies"]["full"]["prompt_tokens"] > single["rows"][1]["policies"]["full"]["prompt_tokens"]
+    assert "turn 2 of a two-turn conversation" in (tmp_path / "follow.md").read_text()

@@ -55,6 +55,17 @@ def rotated(chunks: list[str]) -> list[str]:
     return chunks[-1:] + chunks[:-1] if len(chunks) > 1 else chunks
 
 
+def prepare_chunks(engine: Any, record: dict[str, Any], k: int, policies: list[str]) -> None:
+    # warmed per question (not all up front) so a RAM tier smaller than the whole set cannot
+    # turn a policy's lookups into misses
+    engine.warm(chunk_texts(record, k))
+    if any(p.startswith("cachecraft") for p in policies):
+        # Cache-Craft keeps KV computed inside requests: a request with these chunks in another
+        # order records the variants the measured question then reuses
+        engine.generate(ChunkedPrompt(chunks=rotated(chunk_texts(record, k)), question=record["question"]),
+                        {"max_tokens": 1}, policy="cachecraft")
+
+
 def run_fidelity(args: argparse.Namespace) -> int:
     from engine_sidecar.bench.datasets import load_dataset
     from engine_sidecar.cli import engine_from_args
@@ -77,31 +88,42 @@ def run_fidelity(args: argparse.Namespace) -> int:
             hf_model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.runner.dtype).eval()
         engine.generate(ChunkedPrompt(chunks=chunk_texts(records[0], 1), question="warm-up"), {"max_tokens": 2})
         for i, record in enumerate(track(records, description="answering", console=console)):
-            # warmed per question (not all up front) so a RAM tier smaller than the whole set
-            # cannot turn a policy's lookups into misses
-            engine.warm(chunk_texts(record, args.k))
-            if any(p.startswith("cachecraft") for p in policies):
-                # Cache-Craft keeps KV computed inside requests: a request with these chunks in
-                # another order records the variants this question then reuses
-                engine.generate(ChunkedPrompt(chunks=rotated(chunk_texts(record, args.k)), question=record["question"]),
-                                {"max_tokens": 1}, policy="cachecraft")
+            follow = records[i + 1] if args.follow_up and i + 1 < len(records) else None
+            if args.follow_up and follow is None:
+                break  # the last record has no next question to follow up with
+            for rec in (record, follow) if follow is not None else (record,):
+                prepare_chunks(engine, rec, args.k, policies)
             prompt = ChunkedPrompt(chunks=chunk_texts(record, args.k), question=record["question"])
-            row: dict[str, Any] = {"index": i, "question": record["question"], "answers": record.get("answers", []),
-                                   "policies": {}}
+            measured = follow or record
+            row: dict[str, Any] = {"index": i, "question": measured["question"],
+                                   "answers": measured.get("answers", []), "policies": {}}
             for policy in policies:
-                result = engine.generate(prompt, sampling, policy=policy)
+                if follow is None:
+                    result = engine.generate(prompt, sampling, policy=policy)
+                else:
+                    # a two-turn conversation under this policy; turn 2 (the next record's
+                    # question over its own passages) is measured
+                    conversation = f"fidelity-{i}-{policy}"
+                    engine.generate(prompt.model_copy(update={"conversation_id": conversation}), sampling,
+                                    policy=policy)
+                    result = engine.generate(ChunkedPrompt(chunks=chunk_texts(follow, args.k),
+                                                           question=follow["question"], conversation_id=conversation),
+                                             sampling, policy=policy)
                 row["policies"][policy] = {"text": result.text, "first_token": result.token_ids[:1],
                                            "ttft_s": result.stats.ttft_s,
                                            "computed_fraction": result.stats.computed_fraction,
                                            "recompute_share": result.stats.tokens_recomputed / max(
                                                1, result.stats.tokens_recomputed + result.stats.tokens_reused),
                                            "prompt_tokens": result.stats.prefill_tokens_total}
-            if hf_model is not None:
+            if hf_model is not None and follow is None:
                 ids = engine.builder.build(prompt).token_ids
                 row["transformers_prefill_s"] = _transformers_prefill_s(hf_model, ids)
             rows.append(row)
     summary = summarize(rows, policies)
+    if not rows:
+        raise InvalidPromptError("--follow-up needs at least two questions (--n 2 or more)")
     config = {"data": str(args.data), "n": len(rows), "k": args.k, "max_tokens": args.max_tokens,
+              "follow_up": bool(args.follow_up),
               "model": str(args.model), "dtype": args.dtype, "device": args.device, "policies": policies,
               "convention": args.convention}
     transformers_times = [r["transformers_prefill_s"] for r in rows if "transformers_prefill_s" in r]
@@ -134,7 +156,8 @@ def scatter_plot(summary: dict[str, dict[str, float]], config: dict[str, Any], p
                     textcoords="offset points", xytext=(6, 4) if i % 2 else (6, -11), fontsize=8)
     ax.set_xlabel("TTFT / full prefill TTFT (median, lower is faster)")
     ax.set_ylabel("ROUGE-L of the answer vs full prefill's")
-    ax.set_title(f"{Path(str(config['data'])).stem}: {config['n']} questions, k={config['k']} "
+    turn = ", turn 2 of conversations" if config.get("follow_up") else ""
+    ax.set_title(f"{Path(str(config['data'])).stem}: {config['n']} questions, k={config['k']}{turn} "
                  "(recompute share in brackets)", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -167,9 +190,10 @@ def summarize(rows: list[dict[str, Any]], policies: list[str]) -> dict[str, dict
 
 
 def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any]) -> str:
+    turn = "; turn 2 of a two-turn conversation (the next record's question)" if config.get("follow_up") else ""
     lines = [
         f"fidelity: {config['n']} questions, {config['k']} chunks each, {config['max_tokens']} tokens, "
-        f"model {config['model']}",
+        f"model {config['model']}{turn}",
         "",
         "| policy | EM | F1 | ROUGE-L vs full (95% CI) | first-token agreement | TTFT median (s) | TTFT vs full "
         "| computed | recompute share |",
