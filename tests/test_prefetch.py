@@ -23,12 +23,17 @@ def test_preload_depth_by_hand(layers, compute, load, depth):
     assert preload_depth(layers, compute, load) == depth
 
 
-def test_layer_reader_reads_each_layer_and_catches_a_damaged_one(tmp_path):
-    tier = DiskTier(tmp_path)
-    keys, values = torch.randn(3, 5, 2, 4), torch.randn(3, 5, 2, 4)
-    tier.put("ab" * 20, ChunkKV(keys, values, torch.arange(5)))
+def stored_chunk(directory, digest: str, layers: int, tokens: int):
+    """A random chunk written to a disk tier and opened lazily: (tier, keys, values, lazy entry)."""
+    tier = DiskTier(directory)
+    keys, values = torch.randn(layers, tokens, 2, 4), torch.randn(layers, tokens, 2, 4)
+    tier.put(digest, ChunkKV(keys, values, torch.arange(tokens)))
     tier.flush()
-    lazy = tier.lazy("ab" * 20)
+    return tier, keys, values, tier.lazy(digest)
+
+
+def test_layer_reader_reads_each_layer_and_catches_a_damaged_one(tmp_path):
+    tier, keys, values, lazy = stored_chunk(tmp_path, "ab" * 20, layers=3, tokens=5)
     assert lazy is not None and lazy.reader is not None and lazy.keys.shape == keys.shape
     assert torch.equal(lazy.token_ids, torch.arange(5))
     for layer in range(3):
@@ -115,11 +120,7 @@ def test_runs_merge_small_gaps():
 def test_sparse_rows_are_verified_and_scores_are_stored(tmp_path):
     from engine_sidecar.frequency import frequency_scores
 
-    tier = DiskTier(tmp_path)
-    keys, values = torch.randn(2, 40, 2, 4), torch.randn(2, 40, 2, 4)
-    tier.put("cd" * 20, ChunkKV(keys, values, torch.arange(40)))
-    tier.flush()
-    lazy = tier.lazy("cd" * 20)
+    tier, keys, values, lazy = stored_chunk(tmp_path, "cd" * 20, layers=2, tokens=40)
     assert torch.allclose(lazy.scores, frequency_scores(keys, values))
     got = lazy.reader.rows(1, torch.tensor([3, 4, 30]), max_gap=0)
     assert [(a, b) for a, b, _, _ in got] == [(3, 5), (30, 31)]
