@@ -149,8 +149,34 @@ class PromptBuilder:
                 raise InvalidPromptError(f"messages[{i}] must be an object with a string 'content'")
             check_text(f"messages[{i}].content", m.get("content", ""))
         if self.chat_template:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+            try:
+                return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # jinja's UndefinedError, a template's raise_exception(), ...
+                raise InvalidPromptError(self._template_failure(messages, exc)) from None
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str):
+                raise InvalidPromptError(f"messages[{i}] has no 'role': give each message a role (system, user or "
+                                         "assistant) and a string 'content'")
+        return "\n".join(f"{m['role']}: {m.get('content', '')}" for m in messages) + "\nassistant:"
+
+    def _template_failure(self, messages: list[dict[str, str]], exc: Exception) -> str:
+        """One line naming the first message the chat template cannot render: the shortest prefix
+        of the chat that fails ends with it (a binary search, so a long chat costs a few renders)."""
+        lo, hi = 1, len(messages)  # messages[:hi] fails (with the generation prompt)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            try:
+                self.tokenizer.apply_chat_template(messages[:mid], tokenize=False, add_generation_prompt=True)
+                lo = mid + 1
+            except Exception:
+                hi = mid
+        index = hi - 1
+        missing = [key for key in ("role", "content") if key not in messages[index]]
+        if missing:
+            return (f"messages[{index}] has no '{missing[0]}': give each message a role (system, user or assistant) "
+                    "and a string 'content'")
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        return f"messages[{index}] cannot be rendered by the model's chat template: {reason}"
 
     def build_chat(self, messages: list[dict[str, str]]) -> AssembledPrompt:
         """A plain chat (no chunks): one template-rendered segment, computed fresh."""

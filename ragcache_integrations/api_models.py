@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from ragcache_integrations.types import (
     Chunk,
@@ -38,8 +39,47 @@ def _chunks_from_strings(value: Any) -> Any:
     return value
 
 
+def _lone_surrogate(value: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], int] | None:
+    """Where the first string holding a lone surrogate is (its path and character), if any."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path, exc.start
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(key, path) or _lone_surrogate(item, (*path, str(key)))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, (*path, str(i)))
+            if found:
+                return found
+    return None
+
+
+def _reject_lone_surrogates(value: Any) -> Any:
+    # JSON may spell a lone surrogate ("\ud800"); such a string cannot be tokenized, stored or
+    # echoed back as UTF-8, so the whole body is refused up front, naming the first such field
+    found = _lone_surrogate(value)
+    if found:
+        path, start = found
+        raise PydanticCustomError("string_not_utf8",
+                                  "text is not valid UTF-8 (a lone surrogate at character {start}); "
+                                  "send real characters", {"start": start, "path": ".".join(path)})
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class _Body(_Strict):
+    """A request body: any string with a lone surrogate is a 422 naming its field."""
+
+    _utf8 = model_validator(mode="before")(classmethod(lambda cls, v: _reject_lone_surrogates(v)))
 
 
 class Usage(BaseModel):
@@ -61,7 +101,7 @@ class RequestSampling(SamplingParams):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(_Body):
     prompt: ChunkedPrompt
     sampling: RequestSampling = Field(default_factory=RequestSampling)
     policy: str = Field(default="cacheblend", max_length=64,
@@ -81,7 +121,7 @@ class GenerateResponse(GenerationResult):
     usage: Usage
 
 
-class WarmRequest(_Strict):
+class WarmRequest(_Body):
     chunks: list[Chunk]
     system: str | None = Field(default=None, description="System prompt the chunks will be used with")
     tenant: str | None = _tenant_field()
@@ -152,7 +192,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(_Body):
     """OpenAI chat completions, plus extensions: `chunks` (retrieved passages as structure),
     `policy`, `order`, `tenant`, `conversation_id`. With chunks, the first system message is the
     system prompt and the last user message the question; without, a plain chat computed in full."""

@@ -105,6 +105,18 @@ BAD = [
      "policy"),
     ("chat-over-context", "POST", "/v1/chat/completions", {"json": {
         "messages": [{"role": "user", "content": "q " * 3000}], "max_tokens": 2}}, 413, None),
+    ("chat-chunks-lone-surrogate", "POST", "/v1/chat/completions", {
+        "content": b'{"messages": [{"role": "user", "content": "\\ud800"}], "chunks": ["a"], "max_tokens": 2}',
+        "headers": {"content-type": "application/json"}}, 422, "messages.0.content"),
+    ("chat-lone-surrogate-part", "POST", "/v1/chat/completions", {
+        "content": b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}], "max_tokens": 2}',
+        "headers": {"content-type": "application/json"}}, 422, "messages.0.content.0.text"),
+    ("chat-lone-surrogate-model", "POST", "/v1/chat/completions", {
+        "content": b'{"messages": [{"role": "user", "content": "hi"}], "model": "\\ud800", "max_tokens": 2}',
+        "headers": {"content-type": "application/json"}}, 422, "model"),
+    ("lone-surrogate-chunk-id", "POST", "/v1/generate", {
+        "content": b'{"prompt": {"question": "q", "chunks": [{"id": "\\udc80", "text": "a"}]}}',
+        "headers": {"content-type": "application/json"}}, 422, "prompt.chunks.0.id"),
     ("warm-not-list", "POST", "/v1/chunks/warm", {"json": {"chunks": "abc"}}, 422, "chunks"),
     ("warm-oversize", "POST", "/v1/chunks/warm", {"json": {"chunks": ["a" * 201]}}, 413, "chunks.0.text"),
     ("delete-empty-id", "DELETE", "/v1/cache?chunk_id=", {}, 422, "chunk_id"),
@@ -222,3 +234,15 @@ def test_openapi_lists_error_responses(client):
     schema = client.get("/openapi.json").json()
     generate = schema["paths"]["/v1/generate"]["post"]["responses"]
     assert {"200", "401", "413", "422", "429", "504"} <= set(generate)
+
+
+@pytest.mark.parametrize("messages,index", [
+    ([{"content": "no role"}], 0),
+    ([{"role": "user", "content": "fine"}, {"role": "assistant"}], 1),
+    ([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"content": "x", "name": "n"}], 2),
+])
+def test_a_chat_template_failure_is_a_400_naming_the_message(client, messages, index):
+    response = _post(client, "/v1/generate", {"prompt": {"messages": messages}, "sampling": {"max_tokens": 2}})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert f"messages[{index}]" in message and "\n" not in message

@@ -69,6 +69,9 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(422, f"body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}",
                                   None, "json_invalid")
         field = _field_of(tuple(first.get("loc", ())))
+        inner = (first.get("ctx") or {}).get("path") if first.get("type") == "string_not_utf8" else None
+        if inner:  # raised for the whole body: the offending field is in the error's context
+            field = f"{field}.{inner}" if field and field != "body" else inner
         message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
