@@ -29,7 +29,7 @@ def engine(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(engine):
-    settings = ServerSettings(api_key=KEY, max_chunks=3, max_chunk_chars=200, max_body_bytes=20_000)
+    settings = ServerSettings(api_key=KEY, max_chunks=3, max_chunk_chars=200, max_body_bytes=20_000, max_tokens=64)
     with TestClient(create_app(engine, settings), raise_server_exceptions=False) as c:
         yield c
 
@@ -70,6 +70,10 @@ BAD = [
     ("empty-stop", "POST", "/v1/generate", {"json": {**GOOD, "sampling": {"stop": [""]}}}, 422, "sampling.stop"),
     ("too-many-stops", "POST", "/v1/generate", {"json": {**GOOD, "sampling": {"stop": ["a"] * 17}}}, 422,
      "sampling.stop"),
+    ("long-stop", "POST", "/v1/generate", {"json": {**GOOD, "sampling": {"stop": ["a", "x" * 257]}}}, 422,
+     "sampling.stop.1"),
+    ("max-tokens-over-server-limit", "POST", "/v1/generate", {"json": {**GOOD, "sampling": {"max_tokens": 65}}}, 422,
+     "sampling.max_tokens"),
     ("bad-policy", "POST", "/v1/generate", {"json": {**GOOD, "policy": "magic"}}, 422, "policy"),
     ("bad-policy-ratio", "POST", "/v1/generate", {"json": {**GOOD, "policy": "cacheblend:7"}}, 422, "policy"),
     ("bad-order", "POST", "/v1/generate", {"json": {**GOOD, "order": "random"}}, 422, "order"),
@@ -97,6 +101,11 @@ BAD = [
     ("chat-unknown-option", "POST", "/v1/chat/completions", {"json": {**CHAT, "logprobs": True}}, 422, "logprobs"),
     ("chat-huge-max-tokens", "POST", "/v1/chat/completions", {"json": {**CHAT, "max_tokens": 10**6}}, 422,
      "max_tokens"),
+    ("chat-long-stop", "POST", "/v1/chat/completions", {"json": {**CHAT, "stop": "x" * 257}}, 422, "stop.0"),
+    ("chat-max-tokens-over-server-limit", "POST", "/v1/chat/completions", {"json": {**CHAT, "max_tokens": 65}}, 422,
+     "max_tokens"),
+    ("chat-max-completion-tokens-over-server-limit", "POST", "/v1/chat/completions", {"json": {
+        **CHAT, "max_completion_tokens": 65}}, 422, "max_completion_tokens"),
     ("chat-temperature", "POST", "/v1/chat/completions", {"json": {**CHAT, "temperature": 9}}, 422, "temperature"),
     ("chat-chunks-no-user", "POST", "/v1/chat/completions", {"json": {
         "messages": [{"role": "system", "content": "s"}], "chunks": ["a"]}}, 422, "messages"),
@@ -246,3 +255,39 @@ def test_a_chat_template_failure_is_a_400_naming_the_message(client, messages, i
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert f"messages[{index}]" in message and "\n" not in message
+
+
+def test_a_default_max_tokens_is_lowered_to_the_servers_limit(client):
+    response = _post(client, "/v1/chat/completions", {"messages": CHAT["messages"], "temperature": 1.0, "seed": 1})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] <= 64
+
+
+@pytest.fixture(scope="module")
+def impatient(engine):
+    with TestClient(create_app(engine, ServerSettings(request_timeout_s=0.5)), raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_request_timeout_bounds_a_long_generation_and_frees_the_engine(impatient, stream):
+    """Sampling at a high temperature with the longest stop string allowed (whose text the engine
+    holds back, so it emits nothing for a while): the response still ends at the deadline, as a
+    504 or an error event, and the engine stops soon after instead of generating on."""
+    import time
+
+    body = {"prompt": {"question": "Tell me everything."}, "stream": stream,
+            "sampling": {"max_tokens": 1900, "temperature": 1.1, "seed": 3, "stop": ["x" * 256]}}
+    start = time.monotonic()
+    response = impatient.post("/v1/generate", json=body)
+    assert time.monotonic() - start < 3
+    if response.status_code == 504:
+        assert response.json()["error"]["type"] == "timeout_error"
+    else:
+        assert stream and response.status_code == 200, response.text
+        kind, data = _events(response.text)[-1]
+        assert kind == "error" and json.loads(data)["status"] == 504
+    freed = time.monotonic() + 2
+    while impatient.get("/health").json()["queue_depth"] and time.monotonic() < freed:
+        time.sleep(0.02)
+    assert impatient.get("/health").json()["queue_depth"] == 0

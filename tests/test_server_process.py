@@ -63,7 +63,7 @@ def test_taken_port_fails_fast_and_says_why(tiny_llama_dir, tmp_path):
         assert server.proc is not None and server.proc.returncode != 0
 
 
-@pytest.mark.parametrize("flag,value", [("--max-queue", "0"), ("--request-timeout", "-1")])
+@pytest.mark.parametrize("flag,value", [("--max-queue", "0"), ("--request-timeout", "-1"), ("--max-tokens", "0")])
 def test_bad_serve_flags_are_refused_before_the_model_loads(tmp_path, flag, value):
     result = subprocess.run([sys.executable, "-m", "engine_sidecar.cli", "serve", "--model", str(tmp_path / "none"),
                              flag, value], capture_output=True, text=True, timeout=120)

@@ -69,7 +69,8 @@ class EngineCall:
                 return
             await self.close()
             if self.outcome == "timeout":
-                raise ApiError(504, f"the request did not start within {self.ctx.settings.request_timeout_s:g} s "
+                what = "produce its first token" if self.generation else "finish"
+                raise ApiError(504, f"the request did not {what} within {self.ctx.settings.request_timeout_s:g} s "
                                     "(--request-timeout)", None, "timeout") from None
             raise ApiError(503, "the request was cancelled before it started", None, "cancelled") from None
         except BaseException:

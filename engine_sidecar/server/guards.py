@@ -20,7 +20,7 @@ from engine_sidecar.policies import parse_policy
 from engine_sidecar.server.errors import ApiError
 from engine_sidecar.server.settings import ServerSettings
 from ragcache_integrations.api_models import TENANT_HEADER, TENANT_PATTERN
-from ragcache_integrations.types import Chunk
+from ragcache_integrations.types import Chunk, SamplingParams
 
 _bearer = HTTPBearer(auto_error=False, description="Only when the server runs with --api-key")
 
@@ -90,3 +90,17 @@ def check_stops(stops: list[str], settings: ServerSettings, field: str) -> None:
                        "too_many_stops")
     if any(not s for s in stops):
         raise ApiError(422, f"{field}: stop strings must not be empty", field, "empty_stop")
+    for i, stop in enumerate(stops):
+        if len(stop) > settings.max_stop_chars:
+            raise ApiError(422, f"{field}[{i}] has {len(stop)} characters; the limit is {settings.max_stop_chars}",
+                           f"{field}.{i}", "stop_too_long")
+
+
+def cap_max_tokens(sampling: SamplingParams, explicit: bool, settings: ServerSettings, field: str) -> SamplingParams:
+    """A max_tokens the client asked for must be within --max-tokens; a default is lowered to it."""
+    if sampling.max_tokens <= settings.max_tokens:
+        return sampling
+    if explicit:
+        raise ApiError(422, f"{field} is {sampling.max_tokens}; this server's limit is {settings.max_tokens} "
+                            "(--max-tokens)", field, "max_tokens_over_limit")
+    return sampling.model_copy(update={"max_tokens": settings.max_tokens})

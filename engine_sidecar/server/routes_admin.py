@@ -44,12 +44,20 @@ def admin_router(ctx: ServerContext) -> APIRouter:
                           conversations=_read_racing(lambda: len(engine.conversations), 0),
                           cptree_nodes=_read_racing(engine.cptree.nodes, 0))
 
-    @router.get("/v1/cache/stats", response_model=CacheStats, dependencies=authorized, responses=error_responses(401),
+    async def off_loop(read: Callable[[], T]) -> T:
+        # off the event loop (the disk tier is a folder walk) but not on the engine worker, so
+        # stats stay readable while a long generation runs; --request-timeout bounds it too
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(read), ctx.settings.request_timeout_s)
+        except TimeoutError:
+            raise ApiError(504, f"the request did not finish within {ctx.settings.request_timeout_s:g} s "
+                                "(--request-timeout)", None, "timeout") from None
+
+    @router.get("/v1/cache/stats", response_model=CacheStats, dependencies=authorized,
+                responses=error_responses(401, 504),
                 summary="Chunk store and planner counters (process-wide, all tenants)")
     async def cache_stats() -> CacheStats:
-        # off the event loop (the disk tier is a folder walk) but not on the engine worker, so
-        # stats stay readable while a long generation runs
-        return await asyncio.to_thread(cache_stats_now)
+        return await off_loop(cache_stats_now)
 
     @router.delete("/v1/cache", response_model=ClearResponse, dependencies=authorized,
                    responses=error_responses(400, 401, 422, 429, 503, 504),
@@ -76,8 +84,9 @@ def admin_router(ctx: ServerContext) -> APIRouter:
                               max_queue=ctx.worker.max_queue)
 
     @router.get("/metrics", response_class=Response, summary="Prometheus metrics (no auth)",
-                responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+                responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
+                           **error_responses(504)})
     async def metrics() -> Response:
-        return Response(await asyncio.to_thread(ctx.metrics.render), media_type=CONTENT_TYPE_LATEST)
+        return Response(await off_loop(ctx.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     return router

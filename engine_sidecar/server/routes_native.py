@@ -14,6 +14,7 @@ from engine_sidecar.server.errors import engine_error_status, error_body
 from engine_sidecar.server.guards import (
     TenantHeader,
     auth_dependency,
+    cap_max_tokens,
     check_chunks,
     check_policy,
     check_stops,
@@ -44,10 +45,12 @@ def native_router(ctx: ServerContext) -> APIRouter:
         check_policy(body.policy)
         check_chunks(body.prompt.chunks, settings, "prompt.chunks")
         check_stops(body.sampling.stop, settings, "sampling.stop")
+        sampling = cap_max_tokens(body.sampling, "max_tokens" in body.sampling.model_fields_set, settings,
+                                  "sampling.max_tokens")
         prompt = scope_prompt(body.prompt, tenant)
 
         def make() -> Iterator[str | GenerationResult]:
-            return stream_events(engine.stream(prompt, body.sampling, body.policy, tenant, body.order))
+            return stream_events(engine.stream(prompt, sampling, body.policy, tenant, body.order))
 
         call = EngineCall(ctx, request, "generate", make, tenant)
         await call.start()

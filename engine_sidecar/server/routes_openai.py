@@ -18,6 +18,7 @@ from engine_sidecar.server.errors import ApiError, engine_error_status, error_bo
 from engine_sidecar.server.guards import (
     TenantHeader,
     auth_dependency,
+    cap_max_tokens,
     check_chunks,
     check_policy,
     check_stops,
@@ -48,7 +49,8 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                header_tenant: TenantHeader):
         tenant = resolve_tenant(body.tenant, header_tenant)
-        sampling = body.sampling()
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        sampling = cap_max_tokens(body.sampling(), getattr(body, field) is not None, settings, field)
         check_stops(sampling.stop, settings, "stop")
         make = _chunked(ctx, body, sampling, tenant) if body.chunks is not None else _plain(ctx, body, sampling, tenant)
         call = EngineCall(ctx, request, "chat", make, tenant)

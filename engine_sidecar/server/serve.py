@@ -31,23 +31,27 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"chunks per request (default {_DEFAULTS.max_chunks})")
     p.add_argument("--max-chunk-chars", type=int, default=_DEFAULTS.max_chunk_chars,
                    help=f"characters per chunk (default {_DEFAULTS.max_chunk_chars})")
+    p.add_argument("--max-tokens", type=int, default=_DEFAULTS.max_tokens,
+                   help=f"largest max_tokens a request may ask for (default {_DEFAULTS.max_tokens})")
     p.add_argument("--max-body-mb", type=float, default=_DEFAULTS.max_body_bytes / (1 << 20),
                    help=f"request body size (default {_DEFAULTS.max_body_bytes >> 20} MiB)")
     p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout_s,
-                   help=f"seconds per request, queue wait included (default {_DEFAULTS.request_timeout_s:g})")
+                   help=f"seconds per request from arrival to its last byte, queue wait included, streamed or "
+                        f"not (default {_DEFAULTS.request_timeout_s:g})")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests before cancelling them (default 30)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
 
 
 def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSettings:
-    for name in ("max_queue", "max_chunks", "max_chunk_chars"):
+    for name in ("max_queue", "max_chunks", "max_chunk_chars", "max_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"ragcache: error: --{name.replace('_', '-')} must be at least 1")
     if args.request_timeout <= 0 or args.max_body_mb <= 0:
         raise SystemExit("ragcache: error: --request-timeout and --max-body-mb must be positive")
     return ServerSettings(api_key=args.api_key or os.environ.get("RAGCACHE_API_KEY") or None,
                           max_queue=args.max_queue, max_chunks=args.max_chunks, max_chunk_chars=args.max_chunk_chars,
+                          max_tokens=args.max_tokens,
                           max_body_bytes=int(args.max_body_mb * (1 << 20)), request_timeout_s=args.request_timeout,
                           model_name=model_name)
 
