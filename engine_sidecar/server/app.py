@@ -13,6 +13,7 @@ from engine_sidecar.server.body_limit import BodySizeLimit
 from engine_sidecar.server.context import ServerContext
 from engine_sidecar.server.errors import install_error_handlers
 from engine_sidecar.server.metrics import RequestCounter, ServerMetrics
+from engine_sidecar.server.openapi import install_openapi
 from engine_sidecar.server.routes_admin import admin_router
 from engine_sidecar.server.routes_native import native_router
 from engine_sidecar.server.routes_openai import openai_router
@@ -47,6 +48,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None,
     app = FastAPI(title="ragcache sidecar", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
+    install_openapi(app)
     for router in (native_router(ctx), openai_router(ctx), admin_router(ctx)):
         app.include_router(router)
     # added last = outermost: oversize bodies are refused before anything reads them, and

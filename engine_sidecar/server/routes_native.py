@@ -20,7 +20,7 @@ from engine_sidecar.server.guards import (
     check_stops,
     resolve_tenant,
 )
-from engine_sidecar.server.openapi import ENGINE_ERRORS, SSE_RESPONSE, error_responses
+from engine_sidecar.server.openapi import ENGINE_ERRORS, GENERATE_EVENT, error_responses, sse_responses
 from engine_sidecar.server.sse import sse, sse_response
 from engine_sidecar.server.tenancy import scope_chunks, scope_prompt
 from ragcache_integrations.api_models import (
@@ -37,7 +37,7 @@ def native_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter(dependencies=[Depends(auth_dependency(ctx.settings))], responses=error_responses(*ENGINE_ERRORS))
     engine, settings = ctx.engine, ctx.settings
 
-    @router.post("/v1/generate", response_model=GenerateResponse, responses=SSE_RESPONSE,
+    @router.post("/v1/generate", response_model=GenerateResponse, responses=sse_responses(GENERATE_EVENT),
                  summary="Answer a chunk-structured prompt (JSON, or server-sent events with stream=true)")
     async def generate(body: GenerateRequest, request: Request,
                        header_tenant: TenantHeader):

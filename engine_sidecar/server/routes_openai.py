@@ -24,7 +24,7 @@ from engine_sidecar.server.guards import (
     check_stops,
     resolve_tenant,
 )
-from engine_sidecar.server.openapi import ENGINE_ERRORS, SSE_RESPONSE, error_responses
+from engine_sidecar.server.openapi import CHAT_EVENT, ENGINE_ERRORS, error_responses, sse_responses
 from engine_sidecar.server.sse import sse, sse_response
 from engine_sidecar.server.tenancy import scope_chunks
 from ragcache_integrations.api_models import (
@@ -44,7 +44,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter(dependencies=[Depends(auth_dependency(ctx.settings))], responses=error_responses(*ENGINE_ERRORS))
     settings = ctx.settings
 
-    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=SSE_RESPONSE,
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=sse_responses(CHAT_EVENT),
                  summary="OpenAI-compatible chat completions, plus a `chunks` extension for RAG prompts")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                header_tenant: TenantHeader):
