@@ -45,7 +45,7 @@ def test_the_server_serves_the_schema_being_fuzzed(server):
 
 
 @schema.parametrize()
-@settings(max_examples=25, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 def test_no_input_gives_a_server_error_and_every_response_matches_the_schema(case, server):
     case.call_and_validate(base_url=server.base, checks=CHECKS, timeout=60)
 
