@@ -273,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--follow-up", action="store_true",
                      help="measure turn 2 of a conversation per policy: each question, then the next record's "
                           "question over its own passages in the same conversation")
+    fid.add_argument("--chunk-kv", choices=["precomputed", "in-context"], default="precomputed",
+                     help="where the reused chunk KV comes from: precomputed by `warm` (per --convention), or "
+                          "computed in place by an earlier request holding the same chunks in another order "
+                          "(last chunk first), as misses are on a live stream")
     _engine_args(fid)
     fid.set_defaults(func=cmd_bench_fidelity)
 
@@ -291,18 +295,34 @@ def build_parser() -> argparse.ArgumentParser:
     pf.set_defaults(func=cmd_bench_prefetch)
 
     wl = bench.add_parser("workload", help="a RAG request stream replayed against ragcache systems and vLLM",
-                          description="Builds a request stream from a corpus (top-k passages by MiniLM similarity, "
-                                      "Zipf question popularity, some multi-turn conversations) and replays it "
-                                      "against each system; reports TTFT, computed share, hit ratio and CRAFT's "
-                                      "overlap metrics, with TTFT ratios vs vLLM from the same run.")
-    wl.add_argument("--corpus", type=Path, required=True, help="musique_s.json-style records")
-    wl.add_argument("--requests", type=int, default=40)
+                          description="Builds a request stream from a corpus (top-k passages by MiniLM similarity) "
+                                      "and replays it against each system; reports TTFT and the computed share "
+                                      "(all work, precompute included) over the whole stream, its cold phase and "
+                                      "its warm phase, the chunk hit ratio and CRAFT's overlap metrics, with TTFT "
+                                      "ratios vs vLLM from the same run. Stream 'questions': Zipf question "
+                                      "popularity with repeats and some multi-turn conversations; stream "
+                                      "'documents': many different questions over one document set, whose "
+                                      "passages recur in new combinations and orders.")
+    wl.add_argument("--corpus", required=True,
+                    help="musique_s.json-style records (JSON or JSONL), or 'fanoutqa'")
+    wl.add_argument("--stream", choices=["questions", "documents"], default="questions",
+                    help="questions: Zipf-popular questions (repeats); documents: many different questions "
+                         "over one document set (default: questions)")
+    wl.add_argument("--requests", type=int, default=120, help="requests in the stream (default 120)")
+    wl.add_argument("--cold", type=int, default=40,
+                    help="the first N requests are the cold phase, the rest the warm phase (default 40)")
     wl.add_argument("--k", type=int, default=4, help="passages retrieved per question")
-    wl.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of question popularity")
-    wl.add_argument("--turns", type=int, default=2, help="turns per conversation (1 = no conversations)")
-    wl.add_argument("--conversation-share", type=float, default=0.25, help="share of draws that start a conversation")
-    wl.add_argument("--question-pool", type=int, default=60, help="questions drawn from (the first N)")
+    wl.add_argument("--documents", type=int, default=20,
+                    help="documents stream: records whose passages form the document set (default 20)")
+    wl.add_argument("--zipf", type=float, default=1.0, help="questions stream: Zipf exponent of question popularity")
+    wl.add_argument("--turns", type=int, default=2,
+                    help="questions stream: turns per conversation (1 = no conversations)")
+    wl.add_argument("--conversation-share", type=float, default=0.25,
+                    help="questions stream: share of draws that start a conversation")
+    wl.add_argument("--question-pool", type=int, default=60, help="questions stream: questions drawn from (the first N)")
     wl.add_argument("--seed", type=int, default=0)
+    wl.add_argument("--precompute", choices=["in-place", "inline", "background"], default="in-place",
+                    help="how the engine systems compute a missed chunk (see `ragcache serve --help`)")
     wl.add_argument("--ratio", type=float, default=0.15, help="cacheblend recompute ratio for fusion systems")
     wl.add_argument("--max-tokens", type=int, default=8)
     wl.add_argument("--systems", default=",".join(["full", "prefix", "prefix+reorder", "fusion", "fusion+reorder",

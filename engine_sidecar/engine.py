@@ -35,7 +35,7 @@ from engine_sidecar.model.prepare import resolve_model_dir
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.paths import default_cache_dir
 from engine_sidecar.plan import FusionPlan, PlanSpan
-from engine_sidecar.planner import PlannedRequest, Planner
+from engine_sidecar.planner import IN_CONTEXT, PlannedRequest, Planner
 from engine_sidecar.policies import CacheCraftPolicy, Policy, ReusePolicy, parse_policy
 from engine_sidecar.prefetch import preload_depth
 from engine_sidecar.prompt import PromptBuilder, Segment
@@ -54,7 +54,10 @@ from ragcache_integrations.types import (
 
 log = logging.getLogger("ragcache.engine")
 Convention = Literal["isolated", "after-prefix"]
-Precompute = Literal["inline", "background"]
+# in-place: a missed chunk is computed inside the request (as full prefill would) and its KV kept
+# afterwards; inline: computed alone first, then fused (a miss costs twice); background: the
+# request computes it fresh and a worker computes it alone afterwards
+Precompute = Literal["in-place", "inline", "background"]
 DEFAULT_SYSTEM = ChunkedPrompt.model_fields["system"].default
 
 
@@ -67,7 +70,7 @@ class EngineConfig:
     disk: bool = True
     ram_cache_bytes: int = 2 << 30
     convention: Convention = "isolated"
-    precompute: Precompute = "inline"
+    precompute: Precompute = "in-place"
     threads: int | None = None
     ca_window: int = 1000  # CA-Table sliding window, in requests
     prefix_tree: bool = True  # CP-Tree exact chunk-prefix reuse
@@ -162,6 +165,11 @@ class Engine:
 
     # --- precompute --------------------------------------------------------------------------
     def _compute_chunk_kv(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> ChunkKV:
+        return self._precompute_chunk(chunk_seg, prefix, tenant)[0]
+
+    def _precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
+        """A chunk's KV computed alone (after the prefix under the after-prefix convention), and
+        the token-layers that cost."""
         spans: list[PlanSpan] = []
         start = 0
         if self.config.convention == "after-prefix":
@@ -173,14 +181,16 @@ class Engine:
         end = start + len(chunk_seg.token_ids)
         if self.config.convention == "after-prefix" and spans[0].cached is None:
             self._store_span(result.kv, spans[0], tenant, "exact")
-        return ChunkKV(result.kv.keys_pre[:, start:end].clone(), result.kv.values[:, start:end].clone(),
-                       torch.tensor(chunk_seg.token_ids, dtype=torch.long), chunk_seg.chunk_id, tenant)
+        entry = ChunkKV(result.kv.keys_pre[:, start:end].clone(), result.kv.values[:, start:end].clone(),
+                        torch.tensor(chunk_seg.token_ids, dtype=torch.long), chunk_seg.chunk_id, tenant)
+        return entry, result.token_layers_computed
 
     def _store_span(self, kv: KVBuffer, span: PlanSpan, tenant: str, context: str,
-                    meta: dict[str, str] | None = None) -> None:
+                    meta: dict[str, str] | None = None) -> ChunkKV:
         entry = ChunkKV(kv.keys_pre[:, span.start : span.end].clone(), kv.values[:, span.start : span.end].clone(),
                         torch.tensor(span.token_ids, dtype=torch.long), span.chunk_id, tenant, dict(meta or {}))
         self.store.put(self._key(span.token_ids, tenant, context), entry)
+        return entry
 
     def _check_chunk_fits(self, seg: Segment, index: int | None = None) -> None:
         if len(seg.token_ids) >= self.max_context:
@@ -467,8 +477,24 @@ class Engine:
                 nxt = plan.spans[1]
                 if nxt.kind == "chunk" and nxt.mode == "fresh":
                     self._store_span(result.kv, nxt, tenant, "after:" + token_ids_digest(list(first.token_ids)))
+        kept: dict[int, ChunkKV] = {}
         for index, node in planned.new_nodes:
-            self._store_span(result.kv, plan.spans[index], tenant, "path:" + node.path_digest)
+            kept[index] = self._store_span(result.kv, plan.spans[index], tenant, "path:" + node.path_digest)
+        for index, key, chain in planned.in_place:
+            # a miss computed in this request: its pre-RoPE keys are position-free already; the
+            # chunks it was computed after ride along for choosing among contexts later, and the
+            # chain digest of the tokens before it when their KV was exact (a later request with
+            # the same tokens before the chunk reuses it exactly, without recompute)
+            span = plan.spans[index]
+            before = [s.chunk_id or "" for s in plan.spans[:index] if s.kind == "chunk"]
+            meta = {"context": IN_CONTEXT, "start": str(span.start), "after_chunks": ",".join(before)}
+            if chain is not None:
+                meta["chain"] = chain
+            node = kept.get(index)
+            if node is None:
+                self._store_span(result.kv, span, tenant, IN_CONTEXT, meta)
+            else:  # the node's tensors under a second key
+                self.store.put(key, ChunkKV(node.keys, node.values, node.token_ids, span.chunk_id, tenant, meta))
         for rec in planned.craft:  # Cache-Craft: chunks computed in this request's context become variants
             span = plan.spans[rec.span_index]
             context = prefix_context(rec.prefix)
@@ -506,6 +532,13 @@ class Engine:
         total = plan.num_tokens
         cached = sum(len(s) for s in plan.spans if s.mode != "fresh")
         recomputed = result.fused_tokens_recomputed
+        layers = self.runner.num_layers
+        # all work done for this request, inline precompute included; queued background work apart
+        work = result.token_layers_computed + planned.precompute_token_layers
+        background = layers * sum(len(seg.token_ids) + (len(prefix.token_ids) if self.config.convention ==
+                                                         "after-prefix" else 0) for seg, prefix in planned.background)
+        if planned.precompute_s:
+            times["precompute_s"] = planned.precompute_s
         return GenerationStats(
             ttft_s=ttft,
             prefill_tokens_total=total,
@@ -514,7 +547,10 @@ class Engine:
             tokens_computed_fresh=total - cached,
             chunk_hits=planned.hits,
             chunk_misses=planned.misses,
-            computed_fraction=result.token_layers_computed / max(1, total * self.runner.num_layers),
+            computed_fraction=work / max(1, total * layers),
+            token_layers_computed=work,
+            token_layers_precomputed=planned.precompute_token_layers,
+            token_layers_background=background,
             policy=policy.name,
             stage_times=times,
             plan=plan.describe(),

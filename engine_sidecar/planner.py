@@ -12,6 +12,7 @@ Order of decisions (each step only sees what the previous left):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,9 @@ from ragcache_integrations.types import ChunkedPrompt
 if TYPE_CHECKING:
     from engine_sidecar.engine import Engine
 
+# key context of chunk KV computed inside a request (a miss computed in place), any position
+IN_CONTEXT = "in-context"
+
 
 @dataclass
 class PlannedRequest:
@@ -41,6 +45,11 @@ class PlannedRequest:
     dropped_chunk_ids: list[str] = field(default_factory=list)
     chunk_ids: list[str] = field(default_factory=list)
     craft: list[RecordedChunk] = field(default_factory=list)  # Cache-Craft chunks to record as variants
+    # misses computed in place: (span index, key, chain digest of the exact KV before it or None),
+    # stored from the KV buffer after a successful prefill
+    in_place: list[tuple[int, CacheKey, str | None]] = field(default_factory=list)
+    precompute_token_layers: int = 0  # work done before the prefill (inline precompute of misses)
+    precompute_s: float = 0.0
 
     def observer(self) -> AttentionRecorder | None:
         return AttentionRecorder(self.craft) if self.craft else None
@@ -95,7 +104,8 @@ class Planner:
             span.mode = "exact" if span.cached is not None else "fresh"
         out.plan.spans.append(span)
         root = self.root_digest(prefix, tenant) if (use_prefix_tree and policy.uses_cache) else None
-        self._chunks_and_question(out, assembled.segments[1:], span.end, prefix, policy, tenant, prompt, root)
+        self._chunks_and_question(out, assembled.segments[1:], span.end, prefix, policy, tenant, prompt, root,
+                                  chain_root=self.root_digest(prefix, tenant))
         return out
 
     def _plan_verbatim(self, prompt: ChunkedPrompt, policy: Policy, tenant: str,
@@ -133,7 +143,8 @@ class Planner:
         return self._from_prefix(assembled, policy, tenant, prompt, use_prefix_tree)
 
     def _chunks_and_question(self, out: PlannedRequest, segments: list[Segment], pos: int, prefix: Segment,
-                             policy: Policy, tenant: str, prompt: ChunkedPrompt, tree_root: str | None) -> None:
+                             policy: Policy, tenant: str, prompt: ChunkedPrompt, tree_root: str | None,
+                             chain_root: str | None = None) -> None:
         engine = self.engine
         chunk_segs = [s for s in segments if s.kind == "chunk"]
         out.chunk_ids = [s.chunk_id or "" for s in chunk_segs]
@@ -145,8 +156,14 @@ class Planner:
             parent = path[-1] if path else engine.cptree.root(tree_root, tenant)
         chunk_index = 0
         extending = tree_root is not None  # still contiguous with exact KV before us
+        # digest of every token before `pos` while all of their KV is exact (reused at the
+        # positions it was computed at, or computed here in full); None after a fused span
+        chain = chain_root
         for seg in segments:
             span = PlanSpan(seg.kind, pos, seg.token_ids, "fresh", chunk_id=seg.chunk_id)
+            chain_before = chain
+            if chain is not None:
+                chain = chain_digest(chain, token_ids_digest(list(seg.token_ids)))
             if seg.kind == "chunk":
                 i = chunk_index
                 chunk_index += 1
@@ -159,30 +176,62 @@ class Planner:
                         pos = span.end
                         continue
                     extending = False  # evicted between match and lookup: fall back below
-                # Under exact-reuse policies the chunk is computed with full attention anyway, so
-                # making it a node is free; under fusion it costs a full compute of the chunk, so
-                # it waits for a higher access count.
-                threshold = engine.config.fusion_promote_threshold if policy.fuses else engine.config.promote_threshold
+                if chain_before is not None and self._exact_in_place(out, span, seg, tenant, policy, chain_before):
+                    # (the tree cannot grow past a chunk it does not hold: later chunks fuse or miss)
+                    extending = False
+                    out.plan.spans.append(span)
+                    pos = span.end
+                    continue
+                # A chunk computed with full attention anyway (exact-reuse policies, or a fusion
+                # miss) becomes a node for free; a chunk fusion could reuse costs a full compute
+                # of the chunk instead, so it waits for a higher access count.
+                fusable = policy.fuses and (isinstance(policy, CacheCraftPolicy)
+                                            or self._fusable(seg, prefix, tenant))
+                threshold = engine.config.fusion_promote_threshold if fusable else engine.config.promote_threshold
                 if extending and parent is not None and self._promotable(chunk_segs[: i + 1], threshold, tenant):
                     # computed with full attention after exact KV: exact, so it becomes a node
                     node = engine.cptree.insert(parent, digests[i], seg.chunk_id)
                     out.new_nodes.append((len(out.plan.spans), node))
+                    if policy.fuses and not fusable and not isinstance(policy, CacheCraftPolicy):
+                        # the same KV serves fusion when the chunk comes back elsewhere
+                        out.in_place.append((len(out.plan.spans), engine._key(seg.token_ids, tenant, IN_CONTEXT),
+                                             chain_before))
                     parent = node
                     out.misses += 1
                     out.plan.spans.append(span)
                     pos = span.end
-                    if policy.fuses:
-                        extending = False  # fusion policies extend the path by one chunk per request
+                    if fusable:
+                        extending = False  # fusion policies extend the path by one reusable chunk per request
                     continue
                 extending = False
                 if isinstance(policy, CacheCraftPolicy):
                     self._craft(out, span, digests[i], tuple(digests[:i]), tenant, policy)
                 elif policy.uses_cache and policy.fuses:
-                    self._fuse_or_miss(out, span, seg, prefix, tenant)
+                    self._fuse_or_miss(out, span, seg, prefix, tenant, chain_before)
                 else:
                     out.misses += int(policy.uses_cache)
+            if span.mode == "fuse":
+                chain = None
             out.plan.spans.append(span)
             pos = span.end
+
+    def _exact_in_place(self, out: PlannedRequest, span: PlanSpan, seg: Segment, tenant: str, policy: Policy,
+                        chain_before: str) -> bool:
+        """A chunk computed in place after exactly the tokens now before it: reuse as is."""
+        if not (policy.uses_cache and policy.fuses) or isinstance(policy, CacheCraftPolicy):
+            return False
+        entry = self.engine.lookup(self.engine._key(seg.token_ids, tenant, IN_CONTEXT))
+        if entry is None or entry.meta.get("chain") != chain_before:
+            return False
+        span.cached, span.mode = entry, "exact"
+        out.hits += 1
+        return True
+
+    def _fusable(self, seg: Segment, prefix: Segment, tenant: str) -> bool:
+        """Whether fusion has stored KV for this chunk (any context)."""
+        store, engine = self.engine.store, self.engine
+        return (store.contains(engine._key(seg.token_ids, tenant, IN_CONTEXT))
+                or store.contains(engine._key(seg.token_ids, tenant, engine._chunk_context(prefix))))
 
     def _promotable(self, segs: list[Segment], threshold: int, tenant: str) -> bool:
         counts = [self.engine.access_table.count(access_key(tenant, s.chunk_id or "")) for s in segs]
@@ -214,14 +263,28 @@ class Planner:
         out.craft.append(RecordedChunk(len(out.plan.spans), (span.start, span.end), prior_spans, prior, digest))
 
     def _fuse_or_miss(self, out: PlannedRequest, span: PlanSpan, seg: Segment, prefix: Segment,
-                      tenant: str) -> None:
+                      tenant: str, chain_before: str | None) -> None:
+        """Reuse the chunk's stored KV (exactly when it was computed after these very tokens,
+        else fused), or plan the miss; `chain_before` names the exact KV before the chunk."""
         engine = self.engine
         key = engine._key(seg.token_ids, tenant, engine._chunk_context(prefix))
-        span.cached = engine.lookup(key)
+        in_place_key = engine._key(seg.token_ids, tenant, IN_CONTEXT)
+        # KV computed in a request's context first: it saw a system prompt and neighbours, as the
+        # chunk will now; a precomputed (warm / background / inline) entry otherwise
+        span.cached = engine.lookup(in_place_key)
+        from_precompute = span.cached is None
+        if from_precompute:
+            span.cached = engine.lookup(key)
         if span.cached is not None:
             out.hits += 1
+        elif engine.config.precompute == "in-place":
+            out.misses += 1
+            out.in_place.append((len(out.plan.spans), in_place_key, chain_before))
         elif engine.config.precompute == "inline":
-            span.cached = engine._compute_chunk_kv(seg, prefix, tenant)
+            started = time.perf_counter()
+            span.cached, token_layers = engine._precompute_chunk(seg, prefix, tenant)
+            out.precompute_s += time.perf_counter() - started
+            out.precompute_token_layers += token_layers
             engine.store.put(key, span.cached)
             out.misses += 1
         else:
@@ -229,7 +292,8 @@ class Planner:
             out.background.append((seg, prefix))
         if span.cached is not None:
             # After-prefix KV of the first chunk was computed at exactly these positions.
-            exact = (engine.config.convention == "after-prefix" and span.start == len(prefix.token_ids)
-                     and out.conversation is None)
+            exact = (from_precompute and engine.config.convention == "after-prefix"
+                     and span.start == len(prefix.token_ids) and out.conversation is None)
+            # computed in place after exactly the tokens before it now: its KV is full prefill's
+            exact = exact or (chain_before is not None and span.cached.meta.get("chain") == chain_before)
             span.mode = "exact" if exact else "fuse"
-

@@ -121,7 +121,12 @@ class GenerationStats(BaseModel):
     tokens_computed_fresh: int = 0
     chunk_hits: int = 0
     chunk_misses: int = 0
+    # token-layers computed for this request over (prompt tokens x layers): all work on its
+    # critical path, an inline precompute of missed chunks included
     computed_fraction: float = 1.0
+    token_layers_computed: int = 0  # that work in token-layers (precompute included)
+    token_layers_precomputed: int = 0  # the part spent precomputing missed chunks before the prefill
+    token_layers_background: int = 0  # queued for a background worker after the request (not included)
     decode_tokens: int = 0
     policy: str = ""
     stage_times: dict[str, float] = Field(default_factory=dict)

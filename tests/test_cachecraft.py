@@ -144,7 +144,9 @@ def test_cfo_one_recompute_without_early_stop_equals_full_prefill(engine):
     crafted, stats = engine.prefill_logits(prompt, policy=everything)
     assert stats.chunk_hits == 3 and stats.tokens_recomputed > 0
     assert torch.allclose(crafted, full, atol=1e-4)
-    reused, _ = engine.prefill_logits(prompt, policy="reuse")
+    engine.warm([A, B, C])  # isolated KV, so plain reuse below really reuses
+    reused, stats = engine.prefill_logits(prompt, policy="reuse")
+    assert stats.chunk_hits == 3
     assert not torch.allclose(reused, full, atol=1e-4)  # so the guard above could fail
 
 

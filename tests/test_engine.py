@@ -127,9 +127,11 @@ def test_disk_tier_survives_restart_and_detects_corruption(tiny_llama_dir, tmp_p
         path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="ragcache.store"):
         with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=cache, prefix_tree=False) as third:
+            full = third.generate(prompt(), {"max_tokens": 5}, policy="full")
             result = third.generate(prompt(), {"max_tokens": 5})
     assert result.stats.chunk_misses == 3
-    assert result.token_ids == expected
+    # the damaged chunks were computed in place: the answer is full prefill's
+    assert result.token_ids == full.token_ids
     assert "damaged" in caplog.text
 
 

@@ -43,21 +43,30 @@ def test_prefix_policy_grows_a_path_and_reuses_it_exactly(engine):
     assert modes(s4) == ["exact", "exact", "fresh"]
 
 
-def test_fusion_policy_extends_the_path_one_chunk_per_request(engine):
+def test_fusion_reuses_chunks_computed_in_place_exactly_after_the_same_tokens(engine):
     chunks = PASSAGES[:3]
-    engine.generate(ask(chunks), {"max_tokens": 1})
-    seen = []
-    for _ in range(3):
-        seen.append(modes(engine.generate(ask(chunks), {"max_tokens": 1}).stats))
-    assert seen == [["fresh", "fuse", "fuse"], ["exact", "fresh", "fuse"], ["exact", "exact", "fresh"]]
-    assert modes(engine.generate(ask(chunks), {"max_tokens": 1}).stats) == ["exact"] * 3
+    full, _ = engine.prefill_logits(ask(chunks), policy="full")
+    _, first = engine.prefill_logits(ask(chunks), policy="cacheblend")
+    assert modes(first) == ["fresh"] * 3  # all misses, computed in place
+    again, second = engine.prefill_logits(ask(chunks), policy="cacheblend")
+    assert modes(second) == ["exact"] * 3 and second.tokens_recomputed == 0
+    assert (again - full).abs().max().item() <= 1e-4  # exact: full prefill's logits
+    # a shared leading part stays exact; a chunk after other tokens than it was computed after fuses
+    assert modes(engine.prefill_logits(ask(chunks[:2] + [PASSAGES[3]]), policy="cacheblend")[1]) == [
+        "exact", "exact", "fresh"]
+    # (the first one here reached this fixture's promotion count of 2: computed once more as a node)
+    assert modes(engine.prefill_logits(ask([chunks[1], chunks[0], chunks[2]]), policy="cacheblend")[1]) == [
+        "fresh", "fuse", "fuse"]
 
 
 def test_fusion_waits_for_a_higher_count_before_paying_for_a_node(tiny_llama_dir, tmp_path):
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
                                 promote_threshold=2, fusion_promote_threshold=3) as eng:
-        seen = [modes(eng.generate(ask(PASSAGES[:2]), {"max_tokens": 1}).stats) for _ in range(3)]
-    assert seen == [["fuse", "fuse"], ["fuse", "fuse"], ["fresh", "fuse"]]
+        orders = [PASSAGES[:2], PASSAGES[1::-1], PASSAGES[1::-1]]
+        seen = [modes(eng.generate(ask(order), {"max_tokens": 1}).stats) for order in orders]
+    # misses are computed in place on the first ask; in the other order they fuse, and the first
+    # chunk, which fusion already holds, becomes a node only at count 3
+    assert seen == [["fresh", "fresh"], ["fuse", "fuse"], ["fresh", "fuse"]]
 
 
 def test_evicted_path_kv_is_never_used(engine):

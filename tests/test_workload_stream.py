@@ -51,3 +51,50 @@ def test_stream_is_deterministic_with_zipf_popularity_and_conversations(tmp_path
     assert any(r.conversation_id for r in one) and all(len(r.chunk_ids) == 2 for r in one)
     counts = {q: sum(1 for r in one if r.question == q and r.turn == 1) for q in corpus.questions}
     assert counts[corpus.questions[0]] >= counts[corpus.questions[-1]]
+
+
+def _records(n: int, per: int = 3) -> list[dict]:
+    return [{"question": f"question about topic {i}?", "answers": ["x"],
+             "ctxs": [{"title": f"t{i}-{j}", "text": f"passage {j} about topic {i}"} for j in range(per)]}
+            for i in range(n)]
+
+
+def test_document_stream_asks_new_questions_over_one_document_set(tmp_path, monkeypatch):
+    from engine_sidecar.bench.stream import build_document_stream
+
+    monkeypatch.setenv("RAGCACHE_HOME", str(tmp_path))
+    path = tmp_path / "c.jsonl"  # JSONL reads like JSON
+    path.write_text("\n".join(json.dumps(r) for r in _records(12)))
+    corpus = load_corpus(path)
+    assert len(corpus.questions) == 12 and len(corpus.record_passages[0]) == 3
+    stream = build_document_stream(corpus, 20, 2, documents=3, seed=1)
+    assert stream == build_document_stream(corpus, 20, 2, documents=3, seed=1)
+    pool = {pid for r in stream for pid in r.chunk_ids}
+    assert len(pool) <= 9  # only the 3 picked records' passages
+    first_round = [r.question for r in stream[:12]]
+    assert len(set(first_round)) == 12  # no question repeats before every question was asked
+    _, total = overlap_fractions([list(r.chunk_ids) for r in stream])
+    assert total > 0.5  # passages recur
+
+
+def test_summary_reports_cold_and_warm_phases():
+    log = SystemLog(ttft=[4.0, 2.0, 1.0, 1.0], computed=[1.0, 1.0, 0.2, 0.4], orders=[["a"]] * 4, answers=["x"] * 4)
+    out = summarize({"fusion": log, "vllm-apc+reorder": SystemLog(ttft=[2.0] * 4, computed=[1.0] * 4,
+                                                                   orders=[["a"]] * 4, answers=["x"] * 4)}, cold=2)
+    m = out["fusion"]
+    assert m["cold_ttft_mean_s"] == 3.0 and m["warm_ttft_mean_s"] == 1.0 and m["ttft_mean_s"] == 2.0
+    assert m["warm_computed_fraction"] == pytest.approx(0.3)
+    assert m["warm_ttft_mean_ratio_vs_vllm-apc+reorder"] == 0.5
+
+
+def test_workload_corpus_errors_are_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"no": "question"}\n')
+    for corpus in (str(bad), str(tmp_path / "missing.json")):
+        run = subprocess.run([sys.executable, "-m", "engine_sidecar.cli", "bench", "workload", "--corpus", corpus,
+                              "--systems", "full"], capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+        assert corpus.split("/")[-1] in run.stderr

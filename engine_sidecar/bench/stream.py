@@ -1,13 +1,14 @@
-"""A RAG request stream built from a passage corpus: embedding retrieval of top-k passages for
-questions drawn with Zipf popularity, some of them multi-turn conversations. Deterministic for a
-given seed, so every system replays exactly the same stream."""
+"""RAG request streams built from a passage corpus, deterministic for a given seed so every system
+replays exactly the same stream. Two shapes: `build_stream`, questions drawn with Zipf popularity
+(repeats: an exact prefix cache gets most of the reuse), some of them multi-turn conversations;
+`build_document_stream`, many different questions over one document set (passages recur in new
+combinations and orders: only chunk-level reuse gets it). Retrieval is MiniLM top-k."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,20 +28,30 @@ class Request:
 class Corpus:
     passages: dict[str, str]  # id -> text
     questions: list[str]
+    record_passages: list[list[str]] = field(default_factory=list)  # passage ids of each question's record
 
 
-def load_corpus(path: Path) -> Corpus:
-    """musique_s.json-style records ({question, ctxs:[{title,text}]}): unique passages, questions."""
-    records = json.loads(path.read_text(encoding="utf-8"))
+def load_corpus(spec: str | Path) -> Corpus:
+    """musique_s.json-style records ({question, ctxs:[{title,text}]}; JSON or JSONL), or
+    'fanoutqa': unique passages and the questions, each with its record's passages."""
+    from engine_sidecar.bench.datasets import load_dataset
+
     passages: dict[str, str] = {}
     seen: dict[str, str] = {}
-    for record in records:
+    questions: list[str] = []
+    record_passages: list[list[str]] = []
+    for record in load_dataset(spec):
+        ids: list[str] = []
         for ctx in record.get("ctxs", []):
             text = f"{ctx.get('title', '')}\n{ctx['text']}".strip()
             if text not in seen:
                 seen[text] = f"p{len(seen):05d}"
                 passages[seen[text]] = text
-    return Corpus(passages, [r["question"] for r in records if r.get("question")])
+            ids.append(seen[text])
+        if record.get("question"):
+            questions.append(record["question"])
+            record_passages.append(ids)
+    return Corpus(passages, questions, record_passages)
 
 
 def minilm_encoder():
@@ -85,6 +96,31 @@ def build_stream(corpus: Corpus, requests: int, k: int, zipf: float = 1.0, turns
                 stream.append(Request(questions[qi], retrieved[qi], f"conv-{conv}", turn))
         else:
             stream.append(Request(questions[q], retrieved[q], None, 1))
+    return stream
+
+
+def build_document_stream(corpus: Corpus, requests: int, k: int, documents: int = 20, seed: int = 0) -> list[Request]:
+    """Many different questions over one document set: the passages of `documents` records form
+    the set; every question of the corpus (in a seeded shuffle, none repeated until all were
+    asked) retrieves its top-k passages from that set. Passages recur in new combinations and
+    orders while whole questions almost never repeat, the reuse an exact prefix cache misses."""
+    rng = random.Random(seed)
+    picked = rng.sample(range(len(corpus.record_passages)), min(documents, len(corpus.record_passages)))
+    pool = sorted({pid for r in picked for pid in corpus.record_passages[r]})
+    ids = list(corpus.passages)
+    row = {pid: i for i, pid in enumerate(ids)}
+    # the whole corpus is embedded (and cached) once, as the questions stream does
+    passage_vecs = embed([corpus.passages[i] for i in ids])[[row[pid] for pid in pool]]
+    question_vecs = embed(corpus.questions)
+    top = np.argsort(-(question_vecs @ passage_vecs.T), axis=1)[:, :k]
+    stream: list[Request] = []
+    order: list[int] = []
+    while len(stream) < requests:
+        if not order:
+            order = list(range(len(corpus.questions)))
+            rng.shuffle(order)
+        q = order.pop()
+        stream.append(Request(corpus.questions[q], tuple(pool[j] for j in top[q]), None, 1))
     return stream
 
 

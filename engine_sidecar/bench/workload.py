@@ -20,7 +20,13 @@ from rich.progress import track
 
 from engine_sidecar.bench.metrics import rouge_l
 from engine_sidecar.bench.report import write_report
-from engine_sidecar.bench.stream import Request, build_stream, load_corpus, overlap_fractions
+from engine_sidecar.bench.stream import (
+    Request,
+    build_document_stream,
+    build_stream,
+    load_corpus,
+    overlap_fractions,
+)
 from engine_sidecar.bench.vllm_peer import VLLM_ENV_HELP, VllmServer, find_vllm_python
 from engine_sidecar.engine import Engine, EngineConfig
 from engine_sidecar.errors import InvalidPromptError
@@ -61,12 +67,19 @@ def run_workload(args: argparse.Namespace) -> int:
     unknown = [s for s in systems if s not in ALL_SYSTEMS]
     if unknown:
         raise InvalidPromptError(f"unknown systems {unknown}: choose from {', '.join(ALL_SYSTEMS)}")
-    if not args.corpus.is_file():
-        raise InvalidPromptError(f"corpus file {args.corpus} not found")
+    if args.requests < 1 or args.k < 1 or args.cold < 0:
+        raise InvalidPromptError("--requests and --k must be at least 1 and --cold at least 0")
+    args.cold = min(args.cold, args.requests)
     corpus = load_corpus(args.corpus)
-    console.print(f"corpus: {len(corpus.passages)} passages, {len(corpus.questions)} questions; building stream")
-    stream = build_stream(corpus, args.requests, args.k, args.zipf, args.turns, args.conversation_share,
-                          args.question_pool, args.seed)
+    if not corpus.questions:
+        raise InvalidPromptError(f"{args.corpus}: no records with a question")
+    console.print(f"corpus: {len(corpus.passages)} passages, {len(corpus.questions)} questions; "
+                  f"building a '{args.stream}' stream")
+    if args.stream == "documents":
+        stream = build_document_stream(corpus, args.requests, args.k, args.documents, args.seed)
+    else:
+        stream = build_stream(corpus, args.requests, args.k, args.zipf, args.turns, args.conversation_share,
+                              args.question_pool, args.seed)
     model_dir = resolve_model_dir(args.model)
     runner = ModelRunner.load(model_dir, device=args.device, dtype=args.dtype)
     builder = PromptBuilder.load(model_dir)
@@ -75,7 +88,7 @@ def run_workload(args: argparse.Namespace) -> int:
     engines: dict[str, Engine] = {}
     for system in engine_systems:
         _, _, tree = engine_setup(system, args.ratio)
-        config = EngineConfig(model=str(model_dir), disk=False, prefix_tree=tree, precompute="inline")
+        config = EngineConfig(model=str(model_dir), disk=False, prefix_tree=tree, precompute=args.precompute)
         engines[system] = Engine(runner, builder, ChunkStore(config.ram_cache_bytes, None, runner.device), config,
                                  model_dir)
         engines[system].generate(ChunkedPrompt(question="warm up"), {"max_tokens": 1})
@@ -103,7 +116,7 @@ def run_workload(args: argparse.Namespace) -> int:
                 logs.pop(s)
         else:
             run_vllm(console, python, model_dir, builder, corpus.passages, stream, vllm_systems, logs, args)
-    summary = summarize(logs)
+    summary = summarize(logs, args.cold)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     config.update({"passages": len(corpus.passages), "stream_requests": len(stream),
                    "conversation_turns": sum(1 for r in stream if r.conversation_id),
@@ -163,40 +176,69 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def summarize(logs: dict[str, SystemLog]) -> dict[str, dict[str, Any]]:
+PHASES = ("all", "cold", "warm")
+
+
+def _phase(values: list, phase: str, cold: int) -> list:
+    return values if phase == "all" else values[:cold] if phase == "cold" else values[cold:]
+
+
+def summarize(logs: dict[str, SystemLog], cold: int = 0) -> dict[str, dict[str, Any]]:
+    """Per system: TTFT and computed share over the whole stream, its cold phase (the first
+    `cold` requests) and its warm phase (the rest); hit ratio, overlap, ROUGE-L vs full."""
     out: dict[str, dict[str, Any]] = {}
     reference = logs.get("full")
     for name, log in logs.items():
         aligned, total = overlap_fractions(log.orders)
-        out[name] = {
-            "ttft_mean_s": statistics.mean(log.ttft), "ttft_p50_s": _p(log.ttft, 0.5),
-            "ttft_p99_s": _p(log.ttft, 0.99), "computed_fraction": statistics.mean(log.computed),
+        m: dict[str, Any] = {
             "chunk_hit_ratio": log.hits / max(1, log.lookups), "prefix_aligned_fraction": aligned,
             "total_overlap_fraction": total, "requests": len(log.ttft),
         }
+        for phase in PHASES:
+            ttft, computed = _phase(log.ttft, phase, cold), _phase(log.computed, phase, cold)
+            tag = "" if phase == "all" else f"{phase}_"
+            if not ttft:
+                continue
+            m[f"{tag}ttft_mean_s"] = statistics.mean(ttft)
+            m[f"{tag}ttft_p50_s"] = _p(ttft, 0.5)
+            m[f"{tag}ttft_p99_s"] = _p(ttft, 0.99)
+            m[f"{tag}computed_fraction"] = statistics.mean(computed)
         if reference is not None and reference.answers:
-            out[name]["rouge_l_vs_full"] = statistics.mean(
+            m["rouge_l_vs_full"] = statistics.mean(
                 rouge_l(a, b) for a, b in zip(log.answers, reference.answers, strict=True))
+        out[name] = m
     for peer in ("vllm-apc", "vllm-apc+reorder"):
         if peer in out:
             for m in out.values():
-                m[f"ttft_mean_ratio_vs_{peer}"] = m["ttft_mean_s"] / out[peer]["ttft_mean_s"]
+                for tag in ("", "cold_", "warm_"):
+                    if f"{tag}ttft_mean_s" in m and f"{tag}ttft_mean_s" in out[peer]:
+                        m[f"{tag}ttft_mean_ratio_vs_{peer}"] = m[f"{tag}ttft_mean_s"] / out[peer][f"{tag}ttft_mean_s"]
     return out
 
 
 def markdown_table(summary: dict[str, dict[str, Any]], config: dict[str, Any]) -> str:
     peers = [p for p in ("vllm-apc", "vllm-apc+reorder") if p in summary]
-    head = ("| system | TTFT mean (s) | p50 | p99 | computed | chunk hits | prefix-aligned | total overlap | "
-            "ROUGE-L vs full |" + "".join(f" vs {p} |" for p in peers))
-    lines = [f"workload: {config['stream_requests']} requests ({config['conversation_turns']} in conversations), "
-             f"k={config['k']}, zipf={config['zipf']}, dtype={config['dtype']}", "", head,
-             "|" + "---|" * (9 + len(peers))]
+    head = ("| system | phase | TTFT mean (s) | p50 | p99 | computed (all work) |"
+            + "".join(f" vs {p} |" for p in peers))
+    shape = (f"'{config.get('stream', 'questions')}' stream: {config['stream_requests']} requests "
+             f"({config['conversation_turns']} in conversations), cold phase = first {config.get('cold', 0)}, "
+             f"k={config['k']}, dtype={config['dtype']}, fusion recompute ratio {config.get('ratio')}, "
+             f"misses {config.get('precompute', 'in-place')}")
+    lines = [shape, "", head, "|" + "---|" * (6 + len(peers))]
     for name, m in summary.items():
-        row = (f"| {name} | {m['ttft_mean_s']:.3f} | {m['ttft_p50_s']:.3f} | {m['ttft_p99_s']:.3f} | "
-               f"{m['computed_fraction']:.3f} | {m['chunk_hit_ratio']:.2f} | {m['prefix_aligned_fraction']:.2f} | "
-               f"{m['total_overlap_fraction']:.2f} | {m.get('rouge_l_vs_full', float('nan')):.3f} |")
-        row += "".join(f" {m[f'ttft_mean_ratio_vs_{p}']:.2f}x |" for p in peers)
-        lines.append(row)
+        for phase in PHASES:
+            tag = "" if phase == "all" else f"{phase}_"
+            if f"{tag}ttft_mean_s" not in m:
+                continue
+            row = (f"| {name} | {phase} | {m[f'{tag}ttft_mean_s']:.3f} | {m[f'{tag}ttft_p50_s']:.3f} | "
+                   f"{m[f'{tag}ttft_p99_s']:.3f} | {m[f'{tag}computed_fraction']:.3f} |")
+            row += "".join(f" {m[f'{tag}ttft_mean_ratio_vs_{p}']:.2f}x |" if f"{tag}ttft_mean_ratio_vs_{p}" in m
+                           else " |" for p in peers)
+            lines.append(row)
+    lines += ["", "| system | chunk hits | prefix-aligned | total overlap | ROUGE-L vs full |", "|---|---|---|---|---|"]
+    for name, m in summary.items():
+        lines.append(f"| {name} | {m['chunk_hit_ratio']:.2f} | {m['prefix_aligned_fraction']:.2f} | "
+                     f"{m['total_overlap_fraction']:.2f} | {m.get('rouge_l_vs_full', float('nan')):.3f} |")
     if config.get("vllm_note"):
         lines += ["", config["vllm_note"]]
     return "\n".join(lines)
