@@ -23,10 +23,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-disk", action="store_true", help="keep chunk KV in RAM only")
     p.add_argument("--ram-cache-gb", type=float, default=2.0, help="RAM tier capacity in GB (default 2)")
     p.add_argument("--convention", choices=["isolated", "after-prefix"], default="isolated",
-                   help="how a missed chunk's KV is precomputed: alone at position 0, or right after the system prefix")
-    p.add_argument("--precompute", choices=["inline", "background"], default="inline",
-                   help="inline: compute a missed chunk's KV before the request; background: compute the "
-                        "request fresh and cache the chunk afterwards")
+                   help="how `warm` and --precompute inline/background compute a chunk's KV: alone at position 0, "
+                        "or right after the system prefix")
+    p.add_argument("--precompute", choices=["in-place", "inline", "background"], default="in-place",
+                   help="in-place (default): a missed chunk is computed inside the request, as full prefill "
+                        "would, and its KV kept for later requests; inline: computed alone first, then fused "
+                        "(a miss costs twice); background: computed alone by a worker after the request")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-prefetch", action="store_true",
                    help="read disk-tier chunk KV whole before the prefill instead of layer by layer during it")
