@@ -88,14 +88,17 @@ class ModelRunner:
         return weight * xf.to(x.dtype)
 
     def qkv(self, layer: int, hidden: torch.Tensor) -> QKV:
-        """Input norm and q/k/v projections; k is returned before RoPE (position-free)."""
+        """Input norm and q/k/v projections; k is returned before RoPE (position-free).
+
+        One matmul over the fused q/k/v weight; q, k and v are views into its output (rows are
+        not contiguous, the last two axes are)."""
         w = self.weights.layers[layer]
         x = self.rms_norm(hidden, w.input_norm)
         c = self.config
-        q = F.linear(x, w.q_proj, w.q_bias).view(-1, c.num_heads, c.head_dim)
-        k = F.linear(x, w.k_proj, w.k_bias).view(-1, c.num_kv_heads, c.head_dim)
-        v = F.linear(x, w.v_proj, w.v_bias).view(-1, c.num_kv_heads, c.head_dim)
-        return QKV(q, k, v)
+        out = F.linear(x, w.qkv_proj, w.qkv_bias)
+        q, k, v = out.split((w.q_size, w.kv_size, w.kv_size), dim=-1)
+        return QKV(q.unflatten(-1, (c.num_heads, c.head_dim)), k.unflatten(-1, (c.num_kv_heads, c.head_dim)),
+                   v.unflatten(-1, (c.num_kv_heads, c.head_dim)))
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cos_sin(positions.to(self.device), self.inv_freq)
@@ -117,12 +120,15 @@ class ModelRunner:
         return out.reshape(out.shape[0], -1)
 
     def attn_out(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        return hidden + F.linear(attn, self.weights.layers[layer].o_proj)
+        # residual add fused into the GEMM (beta=1); a new tensor, `hidden` is left as it was
+        return torch.addmm(hidden, attn, self.weights.layers[layer].o_proj.t())
 
     def mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         w: LayerWeights = self.weights.layers[layer]
         x = self.rms_norm(hidden, w.post_norm)
-        return hidden + F.linear(F.silu(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
+        gate, up = F.linear(x, w.gate_up_proj).chunk(2, dim=-1)
+        act = F.silu(gate, inplace=True).mul_(up)  # in place on the fresh gate/up buffer
+        return torch.addmm(hidden, act, w.down_proj.t())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(self.rms_norm(hidden, self.weights.final_norm), self.weights.lm_head).float()

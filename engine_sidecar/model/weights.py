@@ -15,18 +15,53 @@ from engine_sidecar.model.config import ModelConfig
 
 @dataclass
 class LayerWeights:
+    """One decoder layer. q/k/v and gate/up are stored fused (one matmul each); the per-projection
+    tensors are views into the fused ones, kept for readers that want them by name."""
+
     input_norm: torch.Tensor
-    q_proj: torch.Tensor
-    k_proj: torch.Tensor
-    v_proj: torch.Tensor
+    qkv_proj: torch.Tensor  # [(H + 2 Hkv) * D, hidden]: q rows, then k, then v
+    qkv_bias: torch.Tensor | None  # Qwen2 only
     o_proj: torch.Tensor
-    q_bias: torch.Tensor | None
-    k_bias: torch.Tensor | None
-    v_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_proj: torch.Tensor
-    up_proj: torch.Tensor
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up
     down_proj: torch.Tensor
+    q_size: int
+    kv_size: int
+
+    @property
+    def q_proj(self) -> torch.Tensor:
+        return self.qkv_proj[: self.q_size]
+
+    @property
+    def k_proj(self) -> torch.Tensor:
+        return self.qkv_proj[self.q_size : self.q_size + self.kv_size]
+
+    @property
+    def v_proj(self) -> torch.Tensor:
+        return self.qkv_proj[self.q_size + self.kv_size :]
+
+    def _bias(self, start: int, end: int) -> torch.Tensor | None:
+        return None if self.qkv_bias is None else self.qkv_bias[start:end]
+
+    @property
+    def q_bias(self) -> torch.Tensor | None:
+        return self._bias(0, self.q_size)
+
+    @property
+    def k_bias(self) -> torch.Tensor | None:
+        return self._bias(self.q_size, self.q_size + self.kv_size)
+
+    @property
+    def v_bias(self) -> torch.Tensor | None:
+        return self._bias(self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)
+
+    @property
+    def gate_proj(self) -> torch.Tensor:
+        return self.gate_up_proj[: self.gate_up_proj.shape[0] // 2]
+
+    @property
+    def up_proj(self) -> torch.Tensor:
+        return self.gate_up_proj[self.gate_up_proj.shape[0] // 2 :]
 
 
 @dataclass
@@ -79,23 +114,36 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
             raise CorruptModelError(f"tensor '{name}' is missing from {model_dir}; the folder is incomplete")
         return tensor.to(device=device, dtype=dtype).contiguous()
 
+    def fused(*names: str, optional: bool = False) -> torch.Tensor | None:
+        parts = [take(n, optional) for n in names]
+        if all(t is None for t in parts) and optional:
+            return None
+        if any(t is None for t in parts):
+            raise CorruptModelError(f"some of {names} are missing from {model_dir}; the folder is incomplete")
+        return torch.cat(parts, dim=0).contiguous()
+
+    expected = (config.num_heads * config.head_dim, config.hidden_size)
+    q_shape = raw.get("model.layers.0.self_attn.q_proj.weight")
+    if q_shape is not None and tuple(q_shape.shape) != expected:
+        raise CorruptModelError(
+            f"q_proj has shape {tuple(q_shape.shape)}, config.json implies {expected}; "
+            "config and weights do not belong together"
+        )
     layers = []
     for i in range(config.num_layers):
-        p = f"model.layers.{i}."
+        p = f"model.layers.{i}.self_attn."
+        m = f"model.layers.{i}.mlp."
         layers.append(
             LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                q_proj=take(p + "self_attn.q_proj.weight"),
-                k_proj=take(p + "self_attn.k_proj.weight"),
-                v_proj=take(p + "self_attn.v_proj.weight"),
-                o_proj=take(p + "self_attn.o_proj.weight"),
-                q_bias=take(p + "self_attn.q_proj.bias", optional=not config.qkv_bias),
-                k_bias=take(p + "self_attn.k_proj.bias", optional=not config.qkv_bias),
-                v_bias=take(p + "self_attn.v_proj.bias", optional=not config.qkv_bias),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_proj=take(p + "mlp.gate_proj.weight"),
-                up_proj=take(p + "mlp.up_proj.weight"),
-                down_proj=take(p + "mlp.down_proj.weight"),
+                input_norm=take(f"model.layers.{i}.input_layernorm.weight"),
+                qkv_proj=fused(p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight"),
+                qkv_bias=fused(p + "q_proj.bias", p + "k_proj.bias", p + "v_proj.bias", optional=not config.qkv_bias),
+                o_proj=take(p + "o_proj.weight"),
+                post_norm=take(f"model.layers.{i}.post_attention_layernorm.weight"),
+                gate_up_proj=fused(m + "gate_proj.weight", m + "up_proj.weight"),
+                down_proj=take(m + "down_proj.weight"),
+                q_size=config.num_heads * config.head_dim,
+                kv_size=config.num_kv_heads * config.head_dim,
             )
         )
     embed = take("model.embed_tokens.weight")
@@ -104,10 +152,4 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
         if not config.tie_word_embeddings:
             raise CorruptModelError(f"tensor 'lm_head.weight' is missing from {model_dir}")
         lm_head = embed
-    expected = (config.num_heads * config.head_dim, config.hidden_size)
-    if tuple(layers[0].q_proj.shape) != expected:
-        raise CorruptModelError(
-            f"q_proj has shape {tuple(layers[0].q_proj.shape)}, config.json implies {expected}; "
-            "config and weights do not belong together"
-        )
     return ModelWeights(embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head)
