@@ -71,7 +71,15 @@ def apply_rope(
         cos = cos[..., :half].repeat_interleave(2, dim=-1)
         sin = sin[..., :half].repeat_interleave(2, dim=-1)
         return x * cos + _rotate_interleaved(x) * sin
-    return x * cos + _rotate_half(x) * sin
+    # NeoX: out = x * cos + rotate_half(x) * sin, written half by half (cos/sin repeat across the
+    # halves): four half-size ops instead of a negation, a concatenation and three full-size ops.
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half], sin[..., :half]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, c, out=out[..., :half]).addcmul_(x2, s, value=-1)
+    torch.mul(x2, c, out=out[..., half:]).addcmul_(x1, s)
+    return out
 
 
 def span_positions(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
