@@ -108,34 +108,51 @@ def fused_prefill(
     # tokens active from layer 0 that stay active never read their cached rows: skip them
     skip = active_mask if policy.keeps_initial_active else None
     prefetcher = LayerPrefetcher(plan, kv.keys_pre, kv.values, prefetch_depth, skip).start()
+    lazy = any(s.cached is not None and s.cached.reader is not None and s.mode != "fresh" for s in plan.spans)
+    if bool(has_cache.any()) and not lazy:
+        # every layer's cached keys rotated to their new positions in one pass; per layer only the
+        # recomputed rows are rotated again (with prefetch, layers arrive one by one: per layer)
+        kv.keys[:, :n] = apply_rope(kv.keys_pre[:, :n], cos, sin)
     active = active_mask.nonzero().squeeze(1).to(device)
     must_keep = (~has_cache)[active.cpu()].to(device)
     hidden = runner.embed(ids[active])
     token_layers = 0
+    # per active set (it changes only where a policy shrinks it): its positions and RoPE tables
+    cos_a, sin_a, query_pos = cos[active], sin[active], positions[active]
+    window = runner.config.sliding_window
+
+    def rope_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, cos[idx], sin[idx])
 
     for layer in range(runner.num_layers):
         prefetcher.wait(layer)
         qkv = runner.qkv(layer, hidden)
         keep = policy.refine(
-            LayerView(layer, active, must_keep, qkv.k, qkv.v, kv.keys_pre[layer, active], kv.values[layer, active],
-                      runner.num_layers, qkv.q, lambda x, idx: apply_rope(x, cos[idx], sin[idx]),
-                      kv.keys_pre[layer, :n])
+            LayerView(layer, active, must_keep, qkv.k, qkv.v, kv.keys_pre[layer, :n], kv.values[layer, :n],
+                      runner.num_layers, qkv.q, rope_at)
         )
         if keep is not None and not bool(keep.all()):
             keep = keep.to(device)
             active, must_keep, hidden = active[keep], must_keep[keep], hidden[keep]
             qkv.q, qkv.k, qkv.v = qkv.q[keep], qkv.k[keep], qkv.v[keep]
+            cos_a, sin_a, query_pos = cos_a[keep], sin_a[keep], query_pos[keep]
         token_layers += int(active.shape[0])
+        dense = active.shape[0] == n
         # Triton kernels on CUDA, torch references elsewhere (RAGCACHE_KERNELS forces either)
         dispatch.scatter_rows(kv.keys_pre[layer], active, qkv.k)
         dispatch.scatter_rows(kv.values[layer], active, qkv.v)
-        dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n])
-        q = apply_rope(qkv.q, cos[active], sin[active])
+        if lazy:
+            dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n])
+        elif dense:
+            kv.keys[layer, :n] = apply_rope(qkv.k, cos_a, sin_a)
+        else:
+            dispatch.scatter_rows(kv.keys[layer], active, apply_rope(qkv.k, cos_a, sin_a))
+        q = apply_rope(qkv.q, cos_a, sin_a)
         if observer is not None:
             observer(layer, q, active, kv.keys[layer, :n])
-        dense = active.shape[0] == n
-        attn = runner.attention(q, kv.keys[layer, :n], kv.values[layer, :n], positions[active], positions, dense)
-        hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn))
+        attn = dispatch.selective_attention(q, kv.keys[layer, :n], kv.values[layer, :n], query_pos, positions,
+                                            window, dense)
+        hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn.reshape(attn.shape[0], -1)))
 
     kv.length = n
     logits = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -26,14 +27,23 @@ class LayerView:
     must_keep: torch.Tensor  # [A] bool: tokens that cannot be dropped (fresh spans, question)
     new_keys: torch.Tensor  # [A, Hkv, D] recomputed, before RoPE
     new_values: torch.Tensor
-    cached_keys: torch.Tensor  # [A, Hkv, D] cached (meaningless where must_keep)
-    cached_values: torch.Tensor
+    # [T, Hkv, D] pre-RoPE keys and values of every prompt token as the buffer holds them before
+    # this layer's update (cached where not active; rows of active tokens are stale)
+    all_keys_pre: torch.Tensor
+    all_values: torch.Tensor
     num_layers: int = 0
     new_queries: torch.Tensor | None = None  # [A, H, D] before RoPE
     rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (x, global idx) -> rotated
-    # [T, Hkv, D] pre-RoPE keys of every prompt token as the buffer holds them before this layer's
-    # update (cached where not active; rows of active tokens are stale and must be replaced)
-    all_keys_pre: torch.Tensor | None = None
+
+    # gathered only for the policies that read them (most layers of most policies do not)
+    @cached_property
+    def cached_keys(self) -> torch.Tensor:
+        """[A, Hkv, D] cached keys of the active tokens (meaningless where must_keep)."""
+        return self.all_keys_pre[self.active]
+
+    @cached_property
+    def cached_values(self) -> torch.Tensor:
+        return self.all_values[self.active]
 
 
 def span_masks(plan: FusionPlan) -> tuple[torch.Tensor, torch.Tensor]:
