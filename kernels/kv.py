@@ -39,5 +39,13 @@ def topk_tokens(deviation: torch.Tensor, k: int) -> torch.Tensor:
 
 def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """dst[index[i]] = src[i] in place (index_copy along dim 0); indices must be unique."""
+    n = index.numel()
+    if n > 1 and index.device.type == "cpu":
+        first, last = int(index[0]), int(index[-1])
+        # one ascending run of rows (a full prefill, a fresh suffix): a plain slice copy, which is
+        # parallel and vectorised where index_copy_ goes row by row
+        if last - first + 1 == n and bool((index[1:] > index[:-1]).all()):
+            dst[first : last + 1].copy_(src)
+            return dst
     dst.index_copy_(0, index.to(torch.int64), src)
     return dst
