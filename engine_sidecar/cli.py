@@ -34,6 +34,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="read disk-tier chunk KV whole before the prefill instead of layer by layer during it")
     p.add_argument("--no-prefix-tree", action="store_true",
                    help="turn off CP-Tree exact chunk-prefix reuse (fusion only)")
+    p.add_argument("--conversations", type=int, default=64,
+                   help="conversations whose KV is kept for their next turn, least recently used out first "
+                        "(default 64; 0 keeps none)")
+    p.add_argument("--conversation-ram-gb", type=float, default=0.5,
+                   help="RAM for all kept conversations' KV together, apart from --ram-cache-gb (default 0.5)")
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -44,6 +49,8 @@ def engine_from_args(args: argparse.Namespace):
         ram_cache_bytes=int(args.ram_cache_gb * (1 << 30)), convention=args.convention,
         precompute=args.precompute, threads=args.threads, prefix_tree=not getattr(args, "no_prefix_tree", False),
         prefetch=not getattr(args, "no_prefetch", False),
+        conversation_max_count=getattr(args, "conversations", 64),
+        conversation_ram_bytes=int(getattr(args, "conversation_ram_gb", 0.5) * (1 << 30)),
     )
 
 

@@ -19,7 +19,7 @@ class Conversation:
     conversation_id: str
     system: str
     history: ChunkKV  # prompt + answer tokens of all turns so far, exact KV at positions 0..n-1
-    chunk_ids: set[str] = field(default_factory=set)
+    chunk_digests: set[str] = field(default_factory=set)  # token digests of the chunks it holds
     turns: int = 1
     last_used: float = field(default_factory=time.monotonic)
 
@@ -29,17 +29,29 @@ class Conversation:
 
 
 class ConversationStore:
-    def __init__(self, ttl_s: float = 900.0, max_tokens: int = 4096, max_conversations: int = 64):
+    """Kept conversations, least recently used first out when over the count or the byte budget
+    (the KV of every kept history together: it is not part of the chunk store's RAM tier)."""
+
+    def __init__(self, ttl_s: float = 900.0, max_tokens: int = 4096, max_conversations: int = 64,
+                 max_bytes: int = 512 << 20):
         self.ttl_s = ttl_s
         self.max_tokens = max_tokens
         self.max_conversations = max_conversations
+        self.max_bytes = max_bytes
         self._items: OrderedDict[tuple[str, str], Conversation] = OrderedDict()
         self._lock = threading.Lock()
         self.evicted = 0
+        self.bytes = 0
+
+    def _remove(self, key: tuple[str, str]) -> Conversation | None:
+        conv = self._items.pop(key, None)
+        if conv is not None:
+            self.bytes -= conv.history.nbytes
+        return conv
 
     def _expire(self, now: float) -> None:
         for key in [k for k, c in self._items.items() if now - c.last_used > self.ttl_s]:
-            del self._items[key]
+            self._remove(key)
             self.evicted += 1
 
     def get(self, tenant: str, conversation_id: str) -> Conversation | None:
@@ -55,24 +67,29 @@ class ConversationStore:
         """Keep the conversation unless it is over the token budget (then it is dropped)."""
         key = (conv.tenant, conv.conversation_id)
         with self._lock:
-            self._items.pop(key, None)
-            if conv.num_tokens > self.max_tokens:
+            self._remove(key)
+            if conv.num_tokens > self.max_tokens or conv.history.nbytes > self.max_bytes or self.max_conversations < 1:
                 self.evicted += 1
                 return False
             conv.last_used = time.monotonic()
             self._items[key] = conv
-            while len(self._items) > self.max_conversations:
-                self._items.popitem(last=False)
+            self.bytes += conv.history.nbytes
+            while len(self._items) > self.max_conversations or self.bytes > self.max_bytes:
+                self._remove(next(iter(self._items)))
                 self.evicted += 1
             return True
 
     def drop(self, tenant: str, conversation_id: str) -> bool:
         with self._lock:
-            return self._items.pop((tenant, conversation_id), None) is not None
+            return self._remove((tenant, conversation_id)) is not None
 
-    def clear(self) -> None:
+    def clear(self, tenant: str | None = None) -> int:
+        """Drop every conversation, or one tenant's; how many were dropped."""
         with self._lock:
-            self._items.clear()
+            keys = [k for k in self._items if tenant is None or k[0] == tenant]
+            for key in keys:
+                self._remove(key)
+            return len(keys)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -79,6 +79,8 @@ class EngineConfig:
     conversation_dedup: bool = True  # drop chunks a conversation already holds from its next turn
     conversation_ttl_s: float = 900.0
     conversation_max_tokens: int = 6144
+    conversation_max_count: int = 64  # kept conversations (least recently used out first)
+    conversation_ram_bytes: int = 512 << 20  # all kept histories' KV together (apart from ram_cache_bytes)
     cachecraft_variants_per_chunk: int = 4  # Cache-Craft's M
     cachecraft_max_chunks: int = 1024  # Cache-Craft's N: N * M variants in all
     prefetch: bool = True  # read disk-tier chunk KV layer by layer while earlier layers compute
@@ -114,7 +116,8 @@ class Engine:
         self._worker: threading.Thread | None = None
         self.eos_ids = self._eos_ids()
         self.access_table = ChunkAccessTable(config.ca_window)
-        self.conversations = ConversationStore(config.conversation_ttl_s, config.conversation_max_tokens)
+        self.conversations = ConversationStore(config.conversation_ttl_s, config.conversation_max_tokens,
+                                               config.conversation_max_count, config.conversation_ram_bytes)
         self.planner = Planner(self)
         self.variants = VariantIndex(config.cachecraft_variants_per_chunk, config.cachecraft_max_chunks)
         self.costs = CostMeter()
@@ -390,8 +393,8 @@ class Engine:
         history = ChunkKV(kv.keys_pre[:, :n].clone(), kv.values[:, :n].clone(),
                           torch.tensor(token_ids, dtype=torch.long), None, tenant)
         previous = planned.conversation
-        chunk_ids = (previous.chunk_ids if previous else set()) | set(planned.chunk_ids)
-        self.conversations.put(Conversation(tenant, prompt.conversation_id or "", prompt.system, history, chunk_ids,
+        held = (previous.chunk_digests if previous else set()) | set(planned.chunk_digests)
+        self.conversations.put(Conversation(tenant, prompt.conversation_id or "", prompt.system, history, held,
                                             turns=(previous.turns + 1) if previous else 1))
 
     def lookup(self, key: CacheKey) -> ChunkKV | None:

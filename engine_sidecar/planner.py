@@ -22,7 +22,7 @@ from engine_sidecar.cptree import CPNode, chain_digest
 from engine_sidecar.fingerprint import token_ids_digest
 from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.policies import CacheCraftPolicy, Policy
-from engine_sidecar.prompt import AssembledPrompt, Segment
+from engine_sidecar.prompt import AssembledPrompt, Segment, segment_digest
 from engine_sidecar.reorder import access_key
 from engine_sidecar.store.entry import CacheKey, ChunkKV
 from ragcache_integrations.types import ChunkedPrompt
@@ -44,6 +44,7 @@ class PlannedRequest:
     conversation: Conversation | None = None
     dropped_chunk_ids: list[str] = field(default_factory=list)
     chunk_ids: list[str] = field(default_factory=list)
+    chunk_digests: list[str] = field(default_factory=list)  # token digests of this turn's chunks
     craft: list[RecordedChunk] = field(default_factory=list)  # Cache-Craft chunks to record as variants
     # misses computed in place: (span index, key, chain digest of the exact KV before it or None),
     # stored from the KV buffer after a successful prefill
@@ -77,10 +78,11 @@ class Planner:
                 engine.conversations.drop(tenant, prompt.conversation_id)
                 conv = None
         if conv is not None:
-            known = conv.chunk_ids if dedup else set()
+            known = conv.chunk_digests if dedup else set()
             assembled = engine.builder.build_followup(prompt, known)
             out = PlannedRequest(FusionPlan([], policy.name), conversation=conv)
-            out.dropped_chunk_ids = [c.id for c in prompt.chunks if c.id in known]
+            out.dropped_chunk_ids = [s.chunk_id or "" for s in engine.builder.build(prompt).segments
+                                     if s.kind == "chunk" and segment_digest(s) in known]
             history = PlanSpan("history", 0, tuple(conv.history.token_ids.tolist()),
                                "exact" if policy.uses_cache else "fresh",
                                conv.history if policy.uses_cache else None)
@@ -148,7 +150,8 @@ class Planner:
         engine = self.engine
         chunk_segs = [s for s in segments if s.kind == "chunk"]
         out.chunk_ids = [s.chunk_id or "" for s in chunk_segs]
-        digests = [token_ids_digest(list(s.token_ids)) for s in chunk_segs]
+        digests = [segment_digest(s) for s in chunk_segs]
+        out.chunk_digests = digests
         path: list[CPNode] = []
         parent: CPNode | None = None
         if tree_root is not None:

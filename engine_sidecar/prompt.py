@@ -15,6 +15,7 @@ from typing import Literal
 import numpy as np
 
 from engine_sidecar.errors import InvalidPromptError
+from engine_sidecar.fingerprint import token_ids_digest
 from ragcache_integrations.types import Chunk, ChunkedPrompt, normalize_text
 
 SegmentKind = Literal["prefix", "chunk", "question", "history", "separator"]
@@ -29,6 +30,11 @@ class Segment:
     kind: SegmentKind
     token_ids: tuple[int, ...]
     chunk_id: str | None = None
+
+
+def segment_digest(segment: Segment) -> str:
+    """A segment's content identity: the digest of its token ids."""
+    return token_ids_digest(list(segment.token_ids))
 
 
 @dataclass(frozen=True)
@@ -109,12 +115,13 @@ class PromptBuilder:
         rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return rendered.split(_ANSWER_MARK, 1)[1].split(_CHUNKS_MARK, 1)[0]
 
-    def build_followup(self, prompt: ChunkedPrompt, known_chunk_ids: set[str]) -> AssembledPrompt:
+    def build_followup(self, prompt: ChunkedPrompt, known_digests: set[str]) -> AssembledPrompt:
         """The segments a conversation's next turn adds after its history: turn separator, the
-        chunks the conversation does not hold yet, the question."""
+        chunks the conversation does not hold yet (by content: the digest of their token ids,
+        never the caller's id, which a new passage may reuse), the question."""
         full = self.build(prompt)
         separator = Segment("separator", self.encode(self.turn_separator(prompt.system)))
-        new = [s for s in full.segments if s.kind == "chunk" and s.chunk_id not in known_chunk_ids]
+        new = [s for s in full.segments if s.kind == "chunk" and segment_digest(s) not in known_digests]
         return AssembledPrompt([separator, *new, full.segments[-1]])
 
     def chunk_segment(self, chunk: Chunk) -> Segment:

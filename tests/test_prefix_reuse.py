@@ -111,6 +111,23 @@ def test_dedup_keeps_only_new_chunks_and_can_be_switched_off(engine, tiny_llama_
         assert sum(1 for s in again.stats.plan if s["kind"] == "chunk") == 2
 
 
+def test_dedup_compares_content_not_the_callers_ids(engine):
+    from ragcache_integrations.types import Chunk
+
+    engine.generate(ChunkedPrompt(chunks=[Chunk(text=PASSAGES[0], id="doc-1")], question="Deepest?",
+                                  conversation_id="c"), {"max_tokens": 2})
+    # a new passage under an id the conversation already used is sent, not silently dropped
+    reused_id = engine.generate(ChunkedPrompt(chunks=[Chunk(text=PASSAGES[1], id="doc-1")], question="Largest?",
+                                              conversation_id="c"), {"max_tokens": 2})
+    assert reused_id.stats.chunks_deduplicated == 0
+    assert [s["kind"] for s in reused_id.stats.plan].count("chunk") == 1
+    # the same text under another id is the same passage: the conversation holds it already
+    renamed = engine.generate(ChunkedPrompt(chunks=[Chunk(text=PASSAGES[0], id="other-id")], question="Again?",
+                                            conversation_id="c"), {"max_tokens": 2})
+    assert renamed.stats.chunks_deduplicated == 1
+    assert [s["kind"] for s in renamed.stats.plan].count("chunk") == 0
+
+
 def test_conversation_over_budget_or_expired_is_dropped_cleanly(tiny_llama_dir, tmp_path):
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
                                 conversation_max_tokens=60) as eng:
@@ -123,3 +140,21 @@ def test_conversation_over_budget_or_expired_is_dropped_cleanly(tiny_llama_dir, 
         eng.generate(ask(PASSAGES[:1], conversation_id="old"), {"max_tokens": 2})
         result = eng.generate(ask(PASSAGES[:1], "Next?", "old"), {"max_tokens": 2})
         assert result.stats.plan[0]["kind"] == "prefix"
+
+
+def test_kept_conversations_stay_within_their_count_and_byte_budget(tiny_llama_dir, tmp_path):
+    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
+                                conversation_max_count=3) as eng:
+        for i in range(5):
+            eng.generate(ask(PASSAGES[:1], conversation_id=f"c{i}"), {"max_tokens": 2})
+        assert len(eng.conversations) == 3 and eng.conversations.evicted == 2
+        one = next(iter(eng.conversations._items.values())).history.nbytes
+    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
+                                conversation_ram_bytes=int(2.5 * one)) as eng:
+        for i in range(5):
+            eng.generate(ask(PASSAGES[:1], conversation_id=f"c{i}"), {"max_tokens": 2})
+            assert eng.conversations.bytes <= eng.config.conversation_ram_bytes
+        assert len(eng.conversations) == 2
+        # the most recent ones are kept: the next turn of c4 continues from its history
+        follow = eng.generate(ask(PASSAGES[:1], "More?", "c4"), {"max_tokens": 2})
+        assert follow.stats.plan[0]["kind"] == "history"

@@ -32,7 +32,7 @@ from engine_sidecar.engine import Engine, EngineConfig
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.model.prepare import resolve_model_dir
 from engine_sidecar.model.runner import ModelRunner
-from engine_sidecar.prompt import PromptBuilder
+from engine_sidecar.prompt import PromptBuilder, segment_digest
 from engine_sidecar.reorder import ChunkAccessTable
 from engine_sidecar.store.chunk_store import ChunkStore
 from ragcache_integrations.types import Chunk, ChunkedPrompt
@@ -157,7 +157,7 @@ def run_vllm(console: Console, python: Path, model_dir: Path, builder: PromptBui
                 response = server.complete(ids, args.max_tokens, system)
                 answer = [t for t in response.token_ids if t not in eos]
                 if prompt.conversation_id:
-                    conversations[key] = (ids + answer, known | {s.chunk_id or "" for s in chunk_segs})
+                    conversations[key] = (ids + answer, known | {segment_digest(s) for s in chunk_segs})
                 log = logs[system]
                 log.ttft.append(response.ttft_s)
                 log.computed.append(1.0 - response.cached_tokens / max(1, response.prompt_tokens))
