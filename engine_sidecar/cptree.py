@@ -38,19 +38,55 @@ class CPNode:
 
 
 class CPTree:
-    def __init__(self, is_alive: Callable[[CPNode], bool], promote_threshold: int = 2):
+    """Bounded: past `max_nodes` nodes (or `max_roots` roots) a sweep drops nodes whose KV left
+    the store and roots with no children, then, if still over, the least recently used roots
+    whole (their KV stays in the store until it evicts it; only the exact-path index forgets it).
+    The most recently used root is never swept, so the bound holds up to one root's paths."""
+
+    def __init__(self, is_alive: Callable[[CPNode], bool], promote_threshold: int = 2,
+                 max_nodes: int = 100_000, max_roots: int = 10_000):
         self.is_alive = is_alive
         self.promote_threshold = promote_threshold
-        self._roots: dict[str, CPNode] = {}
-        self._lock = threading.Lock()
+        self.max_nodes = max_nodes
+        self.max_roots = max_roots
+        self._roots: dict[str, CPNode] = {}  # least recently used first
+        self._lock = threading.RLock()
+        self._count = 0
 
     def root(self, root_digest: str, tenant: str = "") -> CPNode:
         """The root for one (tenant, template prefix): paths never cross prefixes or tenants."""
         with self._lock:
-            node = self._roots.get(root_digest)
+            node = self._roots.pop(root_digest, None)
             if node is None:
-                node = self._roots[root_digest] = CPNode("", root_digest, tenant=tenant)
+                node = CPNode("", root_digest, tenant=tenant)
+            self._roots[root_digest] = node
+            if len(self._roots) > self.max_roots:
+                self._sweep()
             return node
+
+    def _sweep(self) -> None:
+        """Drop dead nodes and empty roots; then whole roots, oldest first, while over a bound."""
+        def prune(node: CPNode) -> None:
+            for child in list(node.children.values()):
+                if not self.is_alive(child):
+                    self.remove(child)
+                else:
+                    prune(child)
+
+        # the newest root is the one being planned under: its new nodes get their KV only after
+        # the prefill, so they look dead now and are left alone
+        newest = next(reversed(self._roots))
+        for digest, root in list(self._roots.items()):
+            if digest == newest:
+                continue
+            prune(root)
+            if not root.children:
+                del self._roots[digest]
+        while (self._count > self.max_nodes or len(self._roots) > self.max_roots) and len(self._roots) > 1:
+            digest = next(iter(self._roots))
+            for child in list(self._roots[digest].children.values()):
+                self.remove(child)
+            del self._roots[digest]
 
     def match(self, root_digest: str, chunk_digests: Sequence[str], tenant: str = "") -> list[CPNode]:
         """Longest stored path for these leading chunks (dead nodes are pruned on the way)."""
@@ -77,6 +113,9 @@ class CPTree:
                 child = CPNode(chunk_digest, self.child_path_digest(parent, chunk_digest), chunk_id,
                                tenant=parent.tenant, parent=parent)
                 parent.children[chunk_digest] = child
+                self._count += 1
+                if self._count > self.max_nodes:
+                    self._sweep()
             return child
 
     def should_promote(self, counts: Sequence[int], threshold: int | None = None) -> bool:
@@ -88,10 +127,15 @@ class CPTree:
         with self._lock:
             if node.parent is not None and node.parent.children.get(node.chunk_digest) is node:
                 del node.parent.children[node.chunk_digest]
+                self._count -= _subtree_size(node)
             node.parent = None
 
     def nodes(self) -> int:
-        def count(node: CPNode) -> int:
-            return 1 + sum(count(c) for c in node.children.values())
+        return self._count
 
-        return sum(count(r) - 1 for r in self._roots.values())
+    def roots(self) -> int:
+        return len(self._roots)
+
+
+def _subtree_size(node: CPNode) -> int:
+    return 1 + sum(_subtree_size(c) for c in node.children.values())

@@ -189,10 +189,10 @@ class Engine:
         return entry, result.token_layers_computed
 
     def _store_span(self, kv: KVBuffer, span: PlanSpan, tenant: str, context: str,
-                    meta: dict[str, str] | None = None) -> ChunkKV:
+                    meta: dict[str, str] | None = None, key: CacheKey | None = None) -> ChunkKV:
         entry = ChunkKV(kv.keys_pre[:, span.start : span.end].clone(), kv.values[:, span.start : span.end].clone(),
                         torch.tensor(span.token_ids, dtype=torch.long), span.chunk_id, tenant, dict(meta or {}))
-        self.store.put(self._key(span.token_ids, tenant, context), entry)
+        self.store.put(key or self._key(span.token_ids, tenant, context), entry)
         return entry
 
     def _check_chunk_fits(self, seg: Segment, index: int | None = None) -> None:
@@ -482,7 +482,7 @@ class Engine:
                     self._store_span(result.kv, nxt, tenant, "after:" + token_ids_digest(list(first.token_ids)))
         kept: dict[int, ChunkKV] = {}
         for index, node in planned.new_nodes:
-            kept[index] = self._store_span(result.kv, plan.spans[index], tenant, "path:" + node.path_digest)
+            kept[index] = self._store_span(result.kv, plan.spans[index], tenant, "", key=self.planner.node_key(node))
         for index, key, chain in planned.in_place:
             # a miss computed in this request: its pre-RoPE keys are position-free already; the
             # chunks it was computed after ride along for choosing among contexts later, and the

@@ -152,10 +152,21 @@ class Planner:
         out.chunk_ids = [s.chunk_id or "" for s in chunk_segs]
         digests = [segment_digest(s) for s in chunk_segs]
         out.chunk_digests = digests
+        # CP-Tree edges name a chunk together with the text between it and the previous chunk
+        # (verbatim layout): the same chunks with other text between them are another path
+        tree_digests: list[str] = []
+        between: list[int] = []
+        for seg in segments:
+            if seg.kind == "chunk":
+                tree_digests.append(token_ids_digest(between + list(seg.token_ids)) if between
+                                    else segment_digest(seg))
+                between = []
+            else:
+                between.extend(seg.token_ids)
         path: list[CPNode] = []
         parent: CPNode | None = None
         if tree_root is not None:
-            path = engine.cptree.match(tree_root, digests, tenant)
+            path = engine.cptree.match(tree_root, tree_digests, tenant)
             parent = path[-1] if path else engine.cptree.root(tree_root, tenant)
         chunk_index = 0
         extending = tree_root is not None  # still contiguous with exact KV before us
@@ -193,7 +204,7 @@ class Planner:
                 threshold = engine.config.fusion_promote_threshold if fusable else engine.config.promote_threshold
                 if extending and parent is not None and self._promotable(chunk_segs[: i + 1], threshold, tenant):
                     # computed with full attention after exact KV: exact, so it becomes a node
-                    node = engine.cptree.insert(parent, digests[i], seg.chunk_id)
+                    node = engine.cptree.insert(parent, tree_digests[i], seg.chunk_id)
                     out.new_nodes.append((len(out.plan.spans), node))
                     if policy.fuses and not fusable and not isinstance(policy, CacheCraftPolicy):
                         # the same KV serves fusion when the chunk comes back elsewhere

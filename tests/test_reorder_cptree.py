@@ -75,3 +75,21 @@ def test_cptree_path_digest_depends_on_the_whole_path():
     a = tree.insert(tree.insert(tree.root("r"), "c1"), "c3")
     b = tree.insert(tree.insert(tree.root("r"), "c2"), "c3")
     assert a.path_digest != b.path_digest
+
+
+def test_tree_stays_within_its_node_and_root_bounds():
+    alive: set[str] = set()
+    tree = CPTree(lambda node: node.path_digest in alive, max_nodes=10, max_roots=4)
+    for r in range(20):  # many tenants / system prompts, each with a short path
+        parent = tree.root(f"root-{r}", tenant=f"t{r}")
+        for c in range(3):
+            parent = tree.insert(parent, f"c{c}")
+            alive.add(parent.path_digest)
+        # (the root being planned under is never swept: its new nodes get their KV afterwards)
+        assert tree.nodes() <= 10 + 3 and tree.roots() <= 4
+    # the newest paths survive; evicted KV is swept out, and empty roots with it
+    assert [n.chunk_digest for n in tree.match("root-19", ["c0", "c1", "c2"], "t19")] == ["c0", "c1", "c2"]
+    alive.clear()
+    for r in range(6):
+        tree.root(f"x{r}", "t")
+    assert tree.nodes() <= 3 and tree.roots() <= 4

@@ -105,3 +105,18 @@ def test_frequency_order_leaves_a_verbatim_prompt_as_written(tiny_engine):
                              {"max_tokens": 1})
     result = tiny_engine.generate(verbatim(messages()), {"max_tokens": 1}, order="frequency")
     assert [s["chunk_id"] for s in result.stats.plan if s["kind"] == "chunk"] == [Chunk(text=A).id, Chunk(text=B).id]
+
+
+def test_exact_chunk_paths_include_the_text_between_chunks(tiny_llama_dir, tmp_path):
+    from engine_sidecar import Engine
+
+    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
+                                promote_threshold=1) as engine:
+        for _ in range(3):  # the path [A, B] is promoted and stored exactly
+            stats = engine.generate(verbatim(messages()), {"max_tokens": 1}, policy="prefix").stats
+        assert [s["mode"] for s in stats.plan if s["kind"] == "chunk"] == ["exact", "exact"]
+        # the same chunks with other text between them: B's stored KV saw other tokens before it
+        other = [{"role": "system", "content": "Answer from the context."},
+                 {"role": "user", "content": f"Context:\n---\n{A}\n\nAND ALSO\n\n{B}\n---\nQuery: Which?\nAnswer: "}]
+        stats = engine.generate(verbatim(other), {"max_tokens": 1}, policy="prefix").stats
+        assert [s["mode"] for s in stats.plan if s["kind"] == "chunk"] == ["exact", "fresh"]
