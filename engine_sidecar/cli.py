@@ -14,6 +14,13 @@ from engine_sidecar.errors import RagCacheError
 POLICY_HELP = "full | prefix | reuse | cacheblend[:ratio] | focus[:ratio] | epic[:k] | cachetune[:ratio] | cachecraft[:alpha]"
 
 
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct, prepared on first use) or a local HF model folder")
@@ -22,6 +29,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, default=None, help="disk tier folder (default: $RAGCACHE_HOME/kv)")
     p.add_argument("--no-disk", action="store_true", help="keep chunk KV in RAM only")
     p.add_argument("--ram-cache-gb", type=float, default=2.0, help="RAM tier capacity in GB (default 2)")
+    p.add_argument("--disk-cache-gb", type=_non_negative, default=20.0,
+                   help="disk tier budget in GiB, least recently used files removed first (default 20; 0 = unlimited)")
     p.add_argument("--convention", choices=["isolated", "after-prefix"], default="isolated",
                    help="how `warm` and --precompute inline/background compute a chunk's KV: alone at position 0, "
                         "or right after the system prefix")
@@ -47,6 +56,7 @@ def engine_from_args(args: argparse.Namespace):
     return Engine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, disk=not args.no_disk,
         ram_cache_bytes=int(args.ram_cache_gb * (1 << 30)), convention=args.convention,
+        disk_cache_bytes=int(getattr(args, "disk_cache_gb", 20.0) * (1 << 30)),
         precompute=args.precompute, threads=args.threads, prefix_tree=not getattr(args, "no_prefix_tree", False),
         prefetch=not getattr(args, "no_prefetch", False),
         conversation_max_count=getattr(args, "conversations", 64),

@@ -69,6 +69,7 @@ class EngineConfig:
     cache_dir: Path | None = None  # None -> $RAGCACHE_HOME/kv; disk tier off with disk=False
     disk: bool = True
     ram_cache_bytes: int = 2 << 30
+    disk_cache_bytes: int = 20 << 30  # disk tier budget, least recently used files out first; 0 = unlimited
     convention: Convention = "isolated"
     precompute: Precompute = "in-place"
     threads: int | None = None
@@ -136,7 +137,8 @@ class Engine:
         runner = ModelRunner.load(model_dir, device=device, dtype=dtype)
         builder = PromptBuilder.load(model_dir)
         disk_dir = (config.cache_dir or default_cache_dir()) if config.disk else None
-        store = ChunkStore(config.ram_cache_bytes, Path(disk_dir) if disk_dir else None, runner.device)
+        store = ChunkStore(config.ram_cache_bytes, Path(disk_dir) if disk_dir else None, runner.device,
+                           config.disk_cache_bytes)
         return cls(runner, builder, store, config, model_dir)
 
     # --- identity ----------------------------------------------------------------------------

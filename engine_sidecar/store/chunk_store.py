@@ -1,4 +1,5 @@
-"""The tiered chunk KV store: RAM (LRU by bytes) in front of an optional disk tier."""
+"""The tiered chunk KV store: RAM (LRU by bytes) in front of an optional disk tier (LRU by bytes
+of files, see store/disk.py)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,18 @@ class StoreStats:
     hits_ram: int
     hits_disk: int
     misses: int
-    corrupt_files: int
+    corrupt_files: int  # disk files that failed verification: deleted, the chunk recomputed
+    disk_capacity_bytes: int = 0  # the disk tier's byte budget (0 = unlimited)
+    disk_evictions: int = 0  # files removed to stay within it
+    disk_write_failures: int = 0  # writes that failed (full disk, I/O error): the entry stayed in RAM only
+    disk_writes_dropped: int = 0  # entries not written because the write queue was full
 
 
 class ChunkStore:
-    def __init__(self, ram_capacity_bytes: int, disk_dir: Path | None, device: torch.device):
+    def __init__(self, ram_capacity_bytes: int, disk_dir: Path | None, device: torch.device,
+                 disk_capacity_bytes: int = 0):
         self.ram = RamTier(ram_capacity_bytes)
-        self.disk = DiskTier(disk_dir) if disk_dir is not None else None
+        self.disk = DiskTier(disk_dir, disk_capacity_bytes) if disk_dir is not None else None
         self.device = device
         self._lock = threading.Lock()
         self._by_chunk_id: dict[str, set[str]] = {}
@@ -106,7 +112,7 @@ class ChunkStore:
         if self.disk is not None:
             self.disk.flush()
         if chunk_id is None:
-            count = len(self.ram) + (len(self.disk.digests()) if self.disk else 0)
+            count = len(self.ram) + (len(self.disk) if self.disk else 0)
             self.ram.clear()
             if self.disk is not None:
                 self.disk.clear()
@@ -116,7 +122,7 @@ class ChunkStore:
         with self._lock:
             digests = self._by_chunk_id.pop(chunk_id, set())
         if self.disk is not None:  # entries from before a restart are only known on disk
-            digests |= {d for d in self.disk.digests() if self.disk.metadata(d).get("chunk_id") == chunk_id}
+            digests |= self.disk.digests_of(chunk_id)
         removed = 0
         for digest in digests:
             hit = self.ram.remove(digest)
@@ -130,14 +136,21 @@ class ChunkStore:
             self.disk.flush()
 
     def stats(self) -> StoreStats:
+        """Counters only (the disk tier's in-memory index): never a folder walk."""
+        disk = self.disk
+        counters = disk.counters if disk is not None else None
         return StoreStats(
             ram_entries=len(self.ram),
             ram_bytes=self.ram.bytes_used,
             ram_capacity_bytes=self.ram.capacity_bytes,
-            disk_entries=len(self.disk.digests()) if self.disk else 0,
-            disk_bytes=self.disk.bytes_used if self.disk else 0,
+            disk_entries=len(disk) if disk is not None else 0,
+            disk_bytes=disk.bytes_used if disk is not None else 0,
             hits_ram=self.hits_ram,
             hits_disk=self.hits_disk,
             misses=self.misses,
-            corrupt_files=self.disk.corrupt_files_seen if self.disk else 0,
+            corrupt_files=counters.corrupt_files if counters else 0,
+            disk_capacity_bytes=disk.capacity_bytes if disk is not None else 0,
+            disk_evictions=counters.evictions if counters else 0,
+            disk_write_failures=counters.write_failures if counters else 0,
+            disk_writes_dropped=counters.writes_dropped if counters else 0,
         )

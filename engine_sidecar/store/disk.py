@@ -1,8 +1,17 @@
 """Disk tier: one safetensors file per chunk, written atomically, checksum verified on read.
 
-A damaged or truncated file is reported once as a warning, deleted, and treated as a miss: the
-chunk is simply recomputed. Writes go through a background thread so a request never waits on
-the disk; `flush()` waits for pending writes (on shutdown).
+A damaged or truncated file is reported once as a warning, deleted, counted, and treated as a
+miss: the chunk is simply recomputed. Writes go through a background thread so a request never
+waits on the disk; `flush()` waits for pending writes (on shutdown), never longer than a bound.
+
+Bounds: the tier holds at most `capacity_bytes` of files (0 = unlimited), least recently used out
+first. What it holds is an in-memory index (size, last access, header metadata once read), built
+once at start-up from the folder (file sizes and mtimes; a hit also touches the file's mtime, so
+the order survives a restart), so lookups, stats and deletes never walk the folder.
+
+Faults: a file is written to a temp file, fsynced, renamed into place, and the folder fsynced; a
+write that fails (a full disk, any error) leaves no file behind, is logged and counted, and the
+entry simply stays in RAM only. Temp files left by a crash are removed at start-up.
 """
 
 from __future__ import annotations
@@ -10,19 +19,22 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from engine_sidecar.frequency import frequency_scores
 from engine_sidecar.store.entry import ChunkKV
 
 log = logging.getLogger("ragcache.store")
 _SUFFIX = ".kv.safetensors"
-_RESERVED_META = ("digest", "checksum", "chunk_id", "tenant")
+_RESERVED_META = ("digest", "checksum", "aux_checksum", "chunk_id", "tenant")
+_TMP = ".tmp"
 
 
 class DamagedCacheFile(RuntimeError):
@@ -37,6 +49,7 @@ class LayerReader:
     def __init__(self, tier: DiskTier, digest: str, path: Path, handle, row_sums: torch.Tensor):
         self.tier, self.digest, self.path = tier, digest, path
         self._handle, self._row_sums = handle, row_sums
+        self._memory: ChunkKV | None = None  # set by `read_into`: reads come from it
         self.rows_read = 0  # token rows read by `rows` (sparse load), over all layers
 
     @property
@@ -49,16 +62,21 @@ class LayerReader:
             raise DamagedCacheFile(f"chunk cache file {self.path.name}: layer {index} is damaged")
 
     def read_into(self, entry: ChunkKV) -> None:
-        """Every layer, verified, into the entry (which stops being lazy)."""
+        """Every layer, verified, into the entry. The entry stays lazy for whoever reads it next
+        (the executor's prefetcher copies it into the request's buffer a layer at a time): from now
+        on `layer` and `rows` serve it from memory instead of reading the file again."""
         for layer in range(self.num_layers):
             keys, values = self.layer(layer)
             entry.keys[layer].copy_(keys)
             entry.values[layer].copy_(values)
-        entry.reader = None
+        self._memory = entry
 
     def rows(self, index: int, rows: torch.Tensor, max_gap: int = 8) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
         """Only these token rows of one layer (ascending local indices), read as contiguous runs
         (through gaps up to max_gap rows) and verified row by row: (start, end, keys, values)."""
+        if self._memory is not None:
+            return [(start, end, self._memory.keys[index, start:end], self._memory.values[index, start:end])
+                    for start, end in _runs(rows, max_gap)]
         out = []
         keys_slice, values_slice = self._handle.get_slice("keys"), self._handle.get_slice("values")
         for start, end in _runs(rows, max_gap):
@@ -70,6 +88,8 @@ class LayerReader:
         return out
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._memory is not None:
+            return self._memory.keys[index], self._memory.values[index]
         keys = self._handle.get_slice("keys")[index : index + 1]
         values = self._handle.get_slice("values")[index : index + 1]
         self._verify(index, 0, keys.shape[1], keys, values)
@@ -109,103 +129,373 @@ def _checksum(entry_tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+@dataclass
+class _Indexed:
+    """One file the tier holds: its size, and its header metadata once read."""
+
+    size: int
+    meta: dict[str, str] | None = None
+
+
+@dataclass
+class DiskCounters:
+    corrupt_files: int = 0  # files that failed verification: deleted, the chunk recomputed
+    write_failures: int = 0  # writes that failed (full disk, I/O error, any exception): entry kept in RAM only
+    writes_dropped: int = 0  # entries not written because the write queue was over its byte bound
+    evictions: int = 0  # files removed to stay within the byte budget
+    orphans_removed: int = 0  # temp files of crashed writers removed at start-up
+    errors: list[str] = field(default_factory=list)  # the last few failure messages (newest last)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in this folder durable; a no-op where folders cannot be opened (Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write and fsync one file (the temp file of an atomic replace)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether another live process may still be writing this temp file (ours at start-up is not:
+    a file with our pid is from an earlier process that had the same pid)."""
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's live process, or no way to tell: leave its file alone
+    return True
+
+
+def _aux_checksum(token_ids: torch.Tensor, scores: torch.Tensor | None, meta: dict[str, str]) -> str:
+    """What the KV row checksums leave out, for a lazy read to verify up front: token ids, scores
+    and the header metadata (chunk id, tenant, Cache-Craft variant)."""
+    tensors = {"token_ids": token_ids} if scores is None else {"token_ids": token_ids, "tune_scores": scores}
+    h = hashlib.blake2b(_checksum(tensors).encode(), digest_size=16)
+    h.update(_meta_bytes(meta, ("checksum", "aux_checksum")))
+    return h.hexdigest()
+
+
+def _meta_bytes(meta: dict[str, str], leave_out: tuple[str, ...]) -> bytes:
+    return b"".join(f"{len(k)}:{k}={len(meta[k])}:{meta[k]};".encode() for k in sorted(meta) if k not in leave_out)
+
+
+def _file_checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """Every tensor and every metadata entry but the checksum itself ('2:' marks this format;
+    files from before it hold `_checksum(tensors)` alone, which a flipped byte cannot turn into)."""
+    h = hashlib.blake2b(_checksum(tensors).encode(), digest_size=16)
+    h.update(_meta_bytes(meta, ("checksum",)))
+    return "2:" + h.hexdigest()
+
+
+def _verify_file(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
+    stored = meta.get("checksum", "")
+    expected = _file_checksum(tensors, meta) if stored.startswith("2:") else _checksum(tensors)
+    if stored != expected:
+        raise ValueError("checksum mismatch")
+
+
 class DiskTier:
-    def __init__(self, directory: Path):
+    """Files under `directory/<2 hex>/<digest>.kv.safetensors`, one per chunk."""
+
+    def __init__(self, directory: Path, capacity_bytes: int = 0, flush_timeout_s: float = 120.0,
+                 max_pending_bytes: int = 1 << 30):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._pending: queue.Queue[tuple[str, ChunkKV] | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="ragcache-disk-writer", daemon=True)
-        self._writer.start()
-        self.corrupt_files_seen = 0
+        self.capacity_bytes = max(0, int(capacity_bytes))
+        self.flush_timeout_s = flush_timeout_s
+        self.max_pending_bytes = max_pending_bytes
+        self.counters = DiskCounters()
+        self._lock = threading.Lock()  # guards the index and the counters
+        self._index: OrderedDict[str, _Indexed] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._scan()
+        self._cond = threading.Condition()  # guards the write queue
+        self._pending: deque[tuple[str, ChunkKV, int]] = deque()
+        self._pending_bytes = 0
+        self._in_flight = 0  # queued + being written
+        self._writer: threading.Thread | None = None
+        self._start_writer()
 
+    # --- start-up ------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        """The index from the folder, once: file sizes and mtimes; temp files whose writer is
+        gone removed; over the budget (lowered since), the oldest files removed."""
+        found: list[tuple[float, str, int]] = []
+        for sub in self.directory.iterdir():
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for path in sub.iterdir():
+                name = path.name
+                try:
+                    if name.endswith(_TMP):
+                        if not _pid_alive(_tmp_pid(name)):
+                            path.unlink(missing_ok=True)
+                            self.counters.orphans_removed += 1
+                        continue
+                    if name.endswith(_SUFFIX):
+                        st = path.stat()
+                        found.append((st.st_mtime, name[: -len(_SUFFIX)], st.st_size))
+                except OSError:
+                    continue
+        for _, digest, size in sorted(found):
+            self._index[digest] = _Indexed(size)
+            self._bytes += size
+        if self.counters.orphans_removed:
+            log.warning("removed %d temp file(s) left by an interrupted write in %s", self.counters.orphans_removed,
+                        self.directory)
+        with self._lock:
+            self._evict_to(0)
+
+    # --- index -----------------------------------------------------------------------------------
     def path_for(self, digest: str) -> Path:
         return self.directory / digest[:2] / f"{digest}{_SUFFIX}"
 
     def __contains__(self, digest: str) -> bool:
-        return self.path_for(digest).is_file()
+        return digest in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _touch(self, digest: str) -> None:
+        with self._lock:
+            if digest in self._index:
+                self._index.move_to_end(digest)
+        try:  # the order of last use survives a restart
+            os.utime(self.path_for(digest))
+        except OSError:
+            pass
+
+    def _drop(self, digest: str) -> _Indexed | None:
+        with self._lock:
+            item = self._index.pop(digest, None)
+            if item is not None:
+                self._bytes -= item.size
+            return item
+
+    def _evict_to(self, incoming: int) -> None:
+        """With the lock held: remove least recently used files until `incoming` more bytes fit."""
+        if not self.capacity_bytes:
+            return
+        while self._index and self._bytes + incoming > self.capacity_bytes:
+            digest, item = self._index.popitem(last=False)
+            self._bytes -= item.size
+            self.counters.evictions += 1
+            try:
+                self.path_for(digest).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("could not remove evicted chunk cache file %s: %s", digest, exc)
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    def digests(self) -> list[str]:
+        with self._lock:
+            return list(self._index)
+
+    def metadata(self, digest: str) -> dict[str, str]:
+        """The file's header metadata: read once, then kept in the index."""
+        item = self._index.get(digest)
+        if item is None:
+            return {}
+        if item.meta is not None:
+            return item.meta
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.path_for(digest)), framework="pt") as handle:
+                meta = handle.metadata() or {}
+        except Exception:
+            return {}
+        item.meta = meta
+        return meta
+
+    def digests_of(self, chunk_id: str) -> set[str]:
+        return {d for d in self.digests() if self.metadata(d).get("chunk_id") == chunk_id}
+
+    def _note_failure(self, counter: str, message: str) -> None:
+        with self._lock:
+            setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+            self.counters.errors = [*self.counters.errors[-9:], message]
+
+    @property
+    def corrupt_files_seen(self) -> int:
+        return self.counters.corrupt_files
+
+    # --- writes ----------------------------------------------------------------------------------
+    def _start_writer(self) -> None:
+        self._writer = threading.Thread(target=self._write_loop, name="ragcache-disk-writer", daemon=True)
+        self._writer.start()
 
     def put(self, digest: str, entry: ChunkKV) -> None:
-        self._pending.put((digest, entry))
+        """Queue one entry for writing; dropped (and counted) when the queue already holds
+        `max_pending_bytes` (a disk slower than the requests must not grow memory without bound)."""
+        size = entry.nbytes
+        with self._cond:
+            if self._pending and self._pending_bytes + size > self.max_pending_bytes:
+                drop = True
+            else:
+                drop = False
+                self._pending.append((digest, entry, size))
+                self._pending_bytes += size
+                self._in_flight += 1
+                self._cond.notify_all()
+            if self._writer is None or not self._writer.is_alive():  # never expected; never fatal
+                self._start_writer()
+        if drop:
+            self._note_failure("writes_dropped", f"{digest}: write queue full")
 
-    def flush(self) -> None:
-        self._pending.join()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for the writes queued so far; False if they did not finish within the bound (or
+        the writer is gone): never blocks forever."""
+        deadline = time.monotonic() + (self.flush_timeout_s if timeout_s is None else timeout_s)
+        with self._cond:
+            while self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._writer is None or not self._writer.is_alive():
+                    log.warning("disk tier flush gave up with %d write(s) pending", self._in_flight)
+                    return False
+                self._cond.wait(min(left, 1.0))
+        return True
 
     def _write_loop(self) -> None:
         while True:
-            item = self._pending.get()
+            with self._cond:
+                while not self._pending:
+                    self._cond.wait()
+                digest, entry, size = self._pending.popleft()
+                self._pending_bytes -= size
             try:
-                if item is not None:
-                    self._write(*item)
-            except OSError as exc:
-                log.warning("could not write chunk cache file: %s", exc)
+                self._write(digest, entry)
+            except Exception as exc:  # noqa: BLE001 - any failure drops this entry, never the writer
+                log.warning("could not write chunk cache file %s (kept in RAM only): %r", digest, exc)
+                self._note_failure("write_failures", f"{digest}: {exc!r}")
             finally:
-                self._pending.task_done()
+                with self._cond:
+                    self._in_flight -= 1
+                    self._cond.notify_all()
 
     def _write(self, digest: str, entry: ChunkKV) -> None:
         path = self.path_for(digest)
-        path.parent.mkdir(parents=True, exist_ok=True)
         keys, values = entry.keys.cpu().contiguous(), entry.values.cpu().contiguous()
+        token_ids = entry.token_ids.cpu().contiguous()
         scores = entry.scores if entry.scores is not None else frequency_scores(keys, values)
-        tensors = {"keys": keys, "values": values, "token_ids": entry.token_ids.cpu().contiguous(),
-                   "tune_scores": scores.float().cpu().contiguous(), "row_sums": _row_sums(keys, values)}
-        meta = {"digest": digest, "checksum": _checksum(tensors), "chunk_id": entry.chunk_id or "",
-                "tenant": entry.tenant, **entry.meta}
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        scores = scores.float().cpu().contiguous()
+        tensors = {"keys": keys, "values": values, "token_ids": token_ids, "tune_scores": scores,
+                   "row_sums": _row_sums(keys, values)}
+        meta = {"digest": digest, "chunk_id": entry.chunk_id or "", "tenant": entry.tenant,
+                **{k: str(v) for k, v in entry.meta.items()}}
+        meta["aux_checksum"] = _aux_checksum(token_ids, scores, meta)
+        meta["checksum"] = _file_checksum(tensors, meta)
+        data = save(tensors, metadata=meta)
+        size = len(data)
+        if self.capacity_bytes and size > self.capacity_bytes:
+            log.info("chunk cache file %s (%d bytes) exceeds the disk budget; not written", digest, size)
+            return
+        self._drop(digest)  # rewritten (same digest): its old bytes are freed first
+        with self._lock:
+            self._evict_to(size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}{_TMP}")
+        try:
+            _write_file(tmp, data)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise
+        _fsync_dir(path.parent)
+        with self._lock:
+            self._index[digest] = _Indexed(size, meta)
+            self._bytes += size
 
+    # --- reads -----------------------------------------------------------------------------------
     def get(self, digest: str) -> ChunkKV | None:
-        path = self.path_for(digest)
-        if not path.is_file():
+        if digest not in self._index:
             return None
+        path = self.path_for(digest)
         try:
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as handle:
                 meta = handle.metadata() or {}
             tensors = load_file(str(path))
-            if meta.get("digest") != digest or meta.get("checksum") != _checksum(tensors):
-                raise ValueError("checksum mismatch")
+            if meta.get("digest") != digest:
+                raise ValueError("digest mismatch")
+            _verify_file(meta, tensors)
+        except FileNotFoundError:  # removed meanwhile (evicted, deleted by hand): a plain miss
+            self._drop(digest)
+            return None
         except Exception as exc:  # any damage at all must end as a miss, never a crash
             self.forget_damaged(path, str(exc))
             return None
+        self._touch(digest)
         extra = {k: v for k, v in meta.items() if k not in _RESERVED_META}
         return ChunkKV(tensors["keys"], tensors["values"], tensors["token_ids"],
                        meta.get("chunk_id") or None, meta.get("tenant", ""), extra, scores=tensors.get("tune_scores"))
 
     def forget_damaged(self, path: Path, why: str) -> None:
-        self.corrupt_files_seen += 1
+        self._note_failure("corrupt_files", f"{path.name}: {why}")
         log.warning("chunk cache file %s is damaged (%s); recomputing it", path.name, why)
-        path.unlink(missing_ok=True)
+        self._drop(path.name[: -len(_SUFFIX)] if path.name.endswith(_SUFFIX) else path.name)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def lazy(self, digest: str) -> ChunkKV | None:
-        """The entry with its token ids and shapes read now and its KV still on disk, to be read a
-        layer at a time (`ChunkKV.reader`); None if absent, damaged, or written before row
-        checksums existed (then `get` reads it whole)."""
-        path = self.path_for(digest)
-        if not path.is_file():
+        """The entry with its token ids and shapes read now (verified) and its KV still on disk, to
+        be read a layer at a time (`ChunkKV.reader`); None if absent, damaged, or written before
+        row and metadata checksums existed (then `get` reads it whole)."""
+        if digest not in self._index:
             return None
+        path = self.path_for(digest)
         try:
             from safetensors import safe_open
 
             handle = safe_open(str(path), framework="pt")
             meta = handle.metadata() or {}
             names = set(handle.keys())
-            if meta.get("digest") != digest or "row_sums" not in names:
-                return None
+            if meta.get("digest") != digest or "row_sums" not in names or "aux_checksum" not in meta:
+                return None  # `get` reads it whole and verifies all of it
             token_ids = handle.get_tensor("token_ids")
             row_sums = handle.get_tensor("row_sums")
             scores = handle.get_tensor("tune_scores") if "tune_scores" in names else None
+            if meta["aux_checksum"] != _aux_checksum(token_ids, scores, meta):
+                raise ValueError("token ids, scores or metadata checksum mismatch")
             shape = handle.get_slice("keys").get_shape()
             dtype = handle.get_slice("keys").get_dtype()
             if len(shape) != 4 or tuple(row_sums.shape) != tuple(shape[:2]) or shape[1] != token_ids.shape[0]:
                 raise ValueError("shapes disagree with the row checksums")
+        except FileNotFoundError:
+            self._drop(digest)
+            return None
         except Exception as exc:  # a damaged header is a miss, like in `get`
             self.forget_damaged(path, str(exc))
             return None
         torch_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(dtype)
         if torch_dtype is None:
             return None
+        self._touch(digest)
         keys = torch.empty(shape, dtype=torch_dtype)
         values = torch.empty(shape, dtype=torch_dtype)
         extra = {k: v for k, v in meta.items() if k not in _RESERVED_META}
@@ -214,29 +504,25 @@ class DiskTier:
         entry.reader = LayerReader(self, digest, path, handle, row_sums)
         return entry
 
+    # --- deletes ---------------------------------------------------------------------------------
     def remove(self, digest: str) -> bool:
-        path = self.path_for(digest)
-        existed = path.is_file()
-        path.unlink(missing_ok=True)
-        return existed
-
-    def digests(self) -> list[str]:
-        return [p.name[: -len(_SUFFIX)] for p in self.directory.glob(f"*/*{_SUFFIX}")]
-
-    def metadata(self, digest: str) -> dict[str, str]:
-        from safetensors import safe_open
-
+        existed = self._drop(digest) is not None
         try:
-            with safe_open(str(self.path_for(digest)), framework="pt") as handle:
-                return handle.metadata() or {}
-        except Exception:
-            return {}
-
-    @property
-    def bytes_used(self) -> int:
-        return sum(p.stat().st_size for p in self.directory.glob(f"*/*{_SUFFIX}"))
+            self.path_for(digest).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not remove chunk cache file %s: %s", digest, exc)
+        return existed
 
     def clear(self) -> None:
         self.flush()
         for digest in self.digests():
             self.remove(digest)
+
+
+def _tmp_pid(name: str) -> int:
+    """The writer's pid in a temp file's name (`.<file>.<pid>.<thread>.tmp`); 0 if none."""
+    parts = name.split(".")
+    try:
+        return int(parts[-3])
+    except (IndexError, ValueError):
+        return 0
