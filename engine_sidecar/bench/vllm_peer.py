@@ -40,8 +40,10 @@ class VllmResponse:
 
 
 class VllmServer:
-    def __init__(self, python: Path, model_dir: Path, dtype: str, max_model_len: int, log_path: Path):
+    def __init__(self, python: Path, model_dir: Path, dtype: str, max_model_len: int, log_path: Path,
+                 env: dict[str, str] | None = None):
         self.python, self.model_dir, self.dtype = python, model_dir, dtype
+        self.extra_env = env or {}
         self.max_model_len, self.log_path = max_model_len, log_path
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
@@ -49,7 +51,7 @@ class VllmServer:
 
     def __enter__(self) -> VllmServer:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
-               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
+               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"), **self.extra_env}
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                "--served-model-name", "peer", "--dtype", self.dtype, "--enforce-eager", "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--max-model-len", str(self.max_model_len),

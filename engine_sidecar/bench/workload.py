@@ -1,15 +1,16 @@
 """`ragcache bench workload`: one RAG request stream replayed against every system.
 
-Engine systems run round-robin per request (each with its own cache), so machine noise hits
-them alike; vLLM systems run afterwards against a vLLM server (one process, a different
-`cache_salt` per system so their prefix caches are separate), fed the same token ids the
-engine prefills. TTFT for the engine is measured in process; for vLLM it is measured by the
-client up to the first streamed token (HTTP on loopback included).
+Every request goes to every system in turn (engine systems, each with its own cache, then the
+vLLM systems against one vLLM server, a different `cache_salt` per system so their prefix caches
+are separate, fed the same token ids the engine prefills), so machine noise hits all alike. TTFT
+for the engine is measured in process; for vLLM by the client up to the first streamed token
+(HTTP on loopback included).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,30 +93,43 @@ def run_workload(args: argparse.Namespace) -> int:
         engines[system] = Engine(runner, builder, ChunkStore(config.ram_cache_bytes, None, runner.device), config,
                                  model_dir)
         engines[system].generate(ChunkedPrompt(question="warm up"), {"max_tokens": 1})
-    for request in track(stream, description="engine systems", console=console):
-        for system in engine_systems:
-            policy, order, _ = engine_setup(system, args.ratio)
-            result = engines[system].generate(prompt_for(corpus.passages, request, system),
-                                              {"max_tokens": args.max_tokens}, policy=policy, order=order)
-            log, s = logs[system], result.stats
-            log.ttft.append(s.ttft_s)
-            log.computed.append(s.computed_fraction)
-            # a chunk precomputed inline on a miss is fused, but it was a miss: count the store's verdict
-            log.hits += s.chunk_hits
-            log.lookups += sum(1 for span in s.plan if span["kind"] == "chunk")
-            log.orders.append([span["chunk_id"] for span in s.plan if span["kind"] == "chunk"])
-            log.answers.append(result.text)
     vllm_systems = [s for s in systems if s.startswith("vllm")]
     vllm_note = None
-    if vllm_systems:
-        python = find_vllm_python(args.vllm_python)
-        if python is None:
-            vllm_note = f"vLLM systems skipped: no vLLM virtualenv found; {VLLM_ENV_HELP}"
-            console.print(f"[yellow]{vllm_note}[/yellow]")
-            for s in vllm_systems:
-                logs.pop(s)
-        else:
-            run_vllm(console, python, model_dir, builder, corpus.passages, stream, vllm_systems, logs, args)
+    python = find_vllm_python(args.vllm_python) if vllm_systems else None
+    if vllm_systems and python is None:
+        vllm_note = f"vLLM systems skipped: no vLLM virtualenv found; {VLLM_ENV_HELP}"
+        console.print(f"[yellow]{vllm_note}[/yellow]")
+        for s in vllm_systems:
+            logs.pop(s)
+        vllm_systems = []
+    with contextlib.ExitStack() as stack:
+        replay = None
+        if vllm_systems and python is not None:
+            log_path = Path(args.json or "workload.json").with_suffix(".vllm.log")
+            console.print(f"starting vLLM from {python} (log: {log_path})")
+            # Every request goes to every system in turn, so machine noise hits all alike. vLLM's
+            # engine loop spins while idle (over one core here), which would slow the engine
+            # systems beside it: it sleeps when idle and its OpenMP threads wait passively, as
+            # the engine's do (measured on these 2 cores: no slower for vLLM itself).
+            server = stack.enter_context(VllmServer(
+                python, model_dir, args.dtype if args.dtype != "auto" else "float32", 8192, log_path,
+                env={"VLLM_SLEEP_WHEN_IDLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}))
+            server.complete(builder.encode("warm up"), 1, "warmup")
+            replay = VllmReplay(server, builder, corpus.passages, vllm_systems, args.max_tokens)
+        for request in track(stream, description="requests (every system in turn)", console=console):
+            for system in engine_systems:
+                policy, order, _ = engine_setup(system, args.ratio)
+                result = engines[system].generate(prompt_for(corpus.passages, request, system),
+                                                  {"max_tokens": args.max_tokens}, policy=policy, order=order)
+                log, s = logs[system], result.stats
+                log.ttft.append(s.ttft_s)
+                log.computed.append(s.computed_fraction)
+                log.hits += s.chunk_hits
+                log.lookups += sum(1 for span in s.plan if span["kind"] == "chunk")
+                log.orders.append([span["chunk_id"] for span in s.plan if span["kind"] == "chunk"])
+                log.answers.append(result.text)
+            if replay is not None:
+                replay.step(request, logs)
     summary = summarize(logs, args.cold)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     config.update({"passages": len(corpus.passages), "stream_requests": len(stream),
@@ -129,46 +143,51 @@ def run_workload(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_vllm(console: Console, python: Path, model_dir: Path, builder: PromptBuilder, passages: dict[str, str],
-             stream: list[Request], systems: list[str], logs: dict[str, SystemLog], args: argparse.Namespace) -> None:
-    eos = {builder.tokenizer.eos_token_id, builder.tokenizer.convert_tokens_to_ids("<|im_end|>")}
-    tables = {s: ChunkAccessTable() for s in systems}
-    conversations: dict[tuple[str, str], tuple[list[int], set[str]]] = {}
-    log_path = Path(args.json or "workload.json").with_suffix(".vllm.log")
-    console.print(f"starting vLLM from {python} (log: {log_path})")
-    with VllmServer(python, model_dir, args.dtype if args.dtype != "auto" else "float32", 8192, log_path) as server:
-        server.complete(builder.encode("warm up"), 1, "warmup")
-        for request in track(stream, description="vLLM systems", console=console):
-            for system in systems:
-                prompt = prompt_for(passages, request, system)
-                tables[system].record([c.id or "" for c in prompt.chunks])
-                if system.endswith("+reorder"):
-                    prompt = prompt.model_copy(update={"chunks": tables[system].sort(prompt.chunks, lambda c: c.id)})
-                key = (system, prompt.conversation_id or "")
-                history = conversations.get(key) if prompt.conversation_id else None
-                if history is None:
-                    assembled = builder.build(prompt)
-                    ids, known = assembled.token_ids, set()
-                else:
-                    known = history[1]
-                    assembled = builder.build_followup(prompt, known)
-                    ids = history[0] + assembled.token_ids
-                chunk_segs = [s for s in assembled.segments if s.kind == "chunk"]
-                response = server.complete(ids, args.max_tokens, system)
-                answer = [t for t in response.token_ids if t not in eos]
-                if prompt.conversation_id:
-                    conversations[key] = (ids + answer, known | {segment_digest(s) for s in chunk_segs})
-                log = logs[system]
-                log.ttft.append(response.ttft_s)
-                log.computed.append(1.0 - response.cached_tokens / max(1, response.prompt_tokens))
-                end = len(ids) - len(assembled.token_ids)
-                for seg in assembled.segments:
-                    end += len(seg.token_ids)
-                    if seg.kind == "chunk":
-                        log.lookups += 1
-                        log.hits += int(end <= response.cached_tokens)
-                log.orders.append([s.chunk_id or "" for s in chunk_segs])
-                log.answers.append(builder.decode(answer))
+class VllmReplay:
+    """The vLLM systems' side of the stream: the same prompts (reordered by their own CA-Tables
+    for +reorder), conversations continued from their own history, each system with its own
+    `cache_salt` so their prefix caches stay apart."""
+
+    def __init__(self, server: VllmServer, builder: PromptBuilder, passages: dict[str, str], systems: list[str],
+                 max_tokens: int):
+        self.server, self.builder, self.passages, self.systems = server, builder, passages, systems
+        self.max_tokens = max_tokens
+        self.eos = {builder.tokenizer.eos_token_id, builder.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+        self.tables = {s: ChunkAccessTable() for s in systems}
+        self.conversations: dict[tuple[str, str], tuple[list[int], set[str]]] = {}
+
+    def step(self, request: Request, logs: dict[str, SystemLog]) -> None:
+        builder = self.builder
+        for system in self.systems:
+            prompt = prompt_for(self.passages, request, system)
+            self.tables[system].record([c.id or "" for c in prompt.chunks])
+            if system.endswith("+reorder"):
+                prompt = prompt.model_copy(update={"chunks": self.tables[system].sort(prompt.chunks, lambda c: c.id)})
+            key = (system, prompt.conversation_id or "")
+            history = self.conversations.get(key) if prompt.conversation_id else None
+            if history is None:
+                assembled = builder.build(prompt)
+                ids, known = assembled.token_ids, set()
+            else:
+                known = history[1]
+                assembled = builder.build_followup(prompt, known)
+                ids = history[0] + assembled.token_ids
+            chunk_segs = [s for s in assembled.segments if s.kind == "chunk"]
+            response = self.server.complete(ids, self.max_tokens, system)
+            answer = [t for t in response.token_ids if t not in self.eos]
+            if prompt.conversation_id:
+                self.conversations[key] = (ids + answer, known | {segment_digest(s) for s in chunk_segs})
+            log = logs[system]
+            log.ttft.append(response.ttft_s)
+            log.computed.append(1.0 - response.cached_tokens / max(1, response.prompt_tokens))
+            end = len(ids) - len(assembled.token_ids)
+            for seg in assembled.segments:
+                end += len(seg.token_ids)
+                if seg.kind == "chunk":
+                    log.lookups += 1
+                    log.hits += int(end <= response.cached_tokens)
+            log.orders.append([s.chunk_id or "" for s in chunk_segs])
+            log.answers.append(builder.decode(answer))
 
 
 def _p(values: list[float], q: float) -> float:
