@@ -145,7 +145,12 @@ class CacheStats(BaseModel):
     hits_ram: int = 0
     hits_disk: int = 0
     misses: int = 0
-    corrupt_files: int = 0
+    corrupt_files: int = Field(default=0, description="Disk files that failed verification: deleted, recomputed")
+    disk_capacity_bytes: int = Field(default=0, description="Disk tier budget (0 = unlimited)")
+    disk_evictions: int = Field(default=0, description="Disk files removed to stay within the budget")
+    disk_write_failures: int = Field(default=0, description="Disk writes that failed (full disk, I/O error); "
+                                                            "those entries stayed in RAM only")
+    disk_writes_dropped: int = Field(default=0, description="Entries not written: the disk write queue was full")
     conversations: int = 0
     cptree_nodes: int = 0
 

@@ -37,6 +37,13 @@ class ServerMetrics:
         self.hit_ratio = Gauge("ragcache_chunk_hit_ratio", "Chunk hits / lookups since start", registry=r)
         self.store_bytes = Gauge("ragcache_store_bytes", "Chunk store bytes per tier", ["tier"], registry=r)
         self.store_entries = Gauge("ragcache_store_entries", "Chunk store entries per tier", ["tier"], registry=r)
+        self.disk_events = Counter("ragcache_store_disk_events",
+                                   "Disk tier events: corrupt (file failed verification, recomputed), evicted "
+                                   "(over the byte budget), write_failed (full disk, I/O error), write_dropped "
+                                   "(write queue full)", ["event"], registry=r)
+        self._disk_seen: dict[str, int] = {}
+        for event in ("corrupt", "evicted", "write_failed", "write_dropped"):
+            self.disk_events.labels(event)
         self.queue_depth = Gauge("ragcache_queue_depth", "Requests queued or running on the engine", registry=r)
         self._hits = self._lookups = 0
 
@@ -59,7 +66,7 @@ class ServerMetrics:
         self.hit_ratio.set(self._hits / self._lookups if self._lookups else 0.0)
 
     def render(self) -> bytes:
-        """Blocking (the disk tier is a folder walk): call it off the event loop."""
+        """Call it off the event loop (it reads structures the engine thread changes)."""
         try:
             store = self.engine.store.stats()
         except OSError:  # a disk entry vanished mid-walk (eviction, clear): keep the last values
@@ -69,6 +76,11 @@ class ServerMetrics:
             self.store_bytes.labels("disk").set(store.disk_bytes)
             self.store_entries.labels("ram").set(store.ram_entries)
             self.store_entries.labels("disk").set(store.disk_entries)
+            for event, count in (("corrupt", store.corrupt_files), ("evicted", store.disk_evictions),
+                                 ("write_failed", store.disk_write_failures),
+                                 ("write_dropped", store.disk_writes_dropped)):
+                self.disk_events.labels(event).inc(max(0, count - self._disk_seen.get(event, 0)))
+                self._disk_seen[event] = count
         self.queue_depth.set(self.worker.depth)
         return generate_latest(self.registry)
 
