@@ -199,6 +199,20 @@ def test_focused_chunk_early_termination_stops_recompute_of_unfocused_chunks(eng
     assert stats.computed_fraction < full_stats.computed_fraction
 
 
+@pytest.mark.parametrize("window", [2, 3])
+def test_early_termination_waits_for_a_stable_focused_set_over_the_window(engine, window):
+    engine.generate({"chunks": [A, B, C], "question": "Where?"}, {"max_tokens": 1}, policy="cachecraft")
+    prompt = {"chunks": [C, B, A], "question": "Which river flows into the Mediterranean Sea?"}
+    policy = CacheCraftPolicy(alpha=0.5, window=window)
+    engine.prefill_logits(prompt, policy=policy)
+    history = policy._history  # the focused set seen at each layer, until the stop
+    first_stable = next((i for i in range(len(history)) if termination_layer(history[: i + 1], window)), None)
+    assert policy.stopped_at == first_stable  # the first layer where `window` layers agreed, never before
+    if policy.stopped_at is not None:
+        assert policy.stopped_at >= window - 1
+        assert len(set(history[policy.stopped_at - window + 1 : policy.stopped_at + 1])) == 1
+
+
 def test_variants_survive_a_restart_through_the_disk_tier(tiny_llama_dir, tmp_path):
     from engine_sidecar import Engine
 
