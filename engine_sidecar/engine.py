@@ -95,10 +95,18 @@ class GenerationStream:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
+        for event in self.ticks():
+            if event:
+                yield event
+
+    def ticks(self) -> Iterator[str]:
+        """Like iterating, plus an empty string for every token that added no text yet (held
+        back for a stop string, or an incomplete character): a consumer that checks for
+        cancellation between items sees one item per generated token."""
         for event in self._events:
             if isinstance(event, GenerationResult):
                 self.result = event
-            elif event:
+            else:
                 yield event
 
 
@@ -367,9 +375,7 @@ class Engine:
                 finish = "stop"
                 break
             generated.append(token)
-            delta = text.add(token)
-            if delta:
-                yield delta
+            yield text.add(token)  # "" when the token added no text yet: still one item per token
             if text.stopped:
                 finish = "stop"
                 break

@@ -29,8 +29,10 @@ _NOTHING = object()  # the work finished without yielding anything
 
 
 def stream_events(stream: GenerationStream) -> Iterator[Event]:
-    """A GenerationStream as one iterator: deltas, then the result (runs on the worker)."""
-    yield from stream
+    """A GenerationStream as one iterator: deltas, then the result (runs on the worker). Empty
+    deltas come through too, one per token, so the worker can stop a cancelled job between
+    any two tokens; `EngineCall.events` drops them."""
+    yield from stream.ticks()
     assert stream.result is not None
     yield stream.result
 
@@ -90,7 +92,7 @@ class EngineCall:
                     self.result = unscope_result(item, self.tenant)
                     self.outcome = "completed"
                     yield self.result
-                else:
+                elif item != "":
                     yield item
                 item = await self._job.next()
         except StopAsyncIteration:
