@@ -218,8 +218,12 @@ class VariantIndex:
         if not slot:
             self._by_chunk.pop(key, None)
 
-    def clear(self) -> None:
-        self._by_chunk.clear()
+    def clear(self, tenant: str | None = None) -> None:
+        if tenant is None:
+            self._by_chunk.clear()
+            return
+        for key in [k for k in self._by_chunk if k[0] == tenant]:
+            del self._by_chunk[key]
 
 
 # --- recording during a prefill ---------------------------------------------------------------

@@ -570,12 +570,17 @@ class Engine:
         )
 
     # --- housekeeping ------------------------------------------------------------------------
-    def clear_cache(self, chunk_id: str | None = None) -> int:
+    def clear_cache(self, chunk_id: str | None = None, tenant: str | None = None) -> int:
+        """Delete cached KV: everything, one chunk id's entries, or (with `tenant`) only that
+        tenant's entries (all of them, or of one chunk id) with its kept conversations and
+        Cache-Craft variants. Returns how many store entries were removed."""
         with self._lock:
             if chunk_id is None:
-                self.variants.clear()
-                self._variants_loaded = True  # the files are gone too
-            return self.store.delete(chunk_id)
+                self.variants.clear(tenant)
+                self.conversations.clear(tenant)
+                if tenant is None:
+                    self._variants_loaded = True  # the files are gone too
+            return self.store.delete(chunk_id, tenant)
 
     def close(self) -> None:
         if self._worker is not None:

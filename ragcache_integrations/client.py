@@ -122,6 +122,13 @@ def _chat_body(messages: list[dict[str, Any]], chunks: list[Chunk | dict | str] 
     return body
 
 
+def _clear_params(chunk_id: str | None, all_tenants: bool) -> dict[str, str] | None:
+    params = {"chunk_id": chunk_id} if chunk_id is not None else {}
+    if all_tenants:
+        params["all_tenants"] = "true"
+    return params or None
+
+
 def _tenant(tenant: str | None) -> dict[str, str]:
     # a per-call tenant travels as the header too, replacing the client's default for that call
     return {TENANT_HEADER: tenant} if tenant else {}
@@ -301,9 +308,10 @@ class RagCacheClient:
     def stats(self) -> CacheStats:
         return CacheStats.model_validate(self._json("GET", "/v1/cache/stats"))
 
-    def clear(self, chunk_id: str | None = None, tenant: str | None = None) -> int:
-        """Delete one chunk's entries (of the tenant), or, without chunk_id and tenant, all entries."""
-        params = {"chunk_id": chunk_id} if chunk_id is not None else None
+    def clear(self, chunk_id: str | None = None, tenant: str | None = None, all_tenants: bool = False) -> int:
+        """Delete the tenant's entries (the default tenant without one): one chunk id's, or all of
+        them; `all_tenants=True` deletes every tenant's entries."""
+        params = _clear_params(chunk_id, all_tenants)
         return ClearResponse.model_validate(
             self._json("DELETE", "/v1/cache", params=params, headers=_tenant(tenant))).removed
 
@@ -417,8 +425,8 @@ class AsyncRagCacheClient:
     async def stats(self) -> CacheStats:
         return CacheStats.model_validate(await self._json("GET", "/v1/cache/stats"))
 
-    async def clear(self, chunk_id: str | None = None, tenant: str | None = None) -> int:
-        params = {"chunk_id": chunk_id} if chunk_id is not None else None
+    async def clear(self, chunk_id: str | None = None, tenant: str | None = None, all_tenants: bool = False) -> int:
+        params = _clear_params(chunk_id, all_tenants)
         return ClearResponse.model_validate(
             await self._json("DELETE", "/v1/cache", params=params, headers=_tenant(tenant))).removed
 

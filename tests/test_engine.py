@@ -252,3 +252,13 @@ def test_gradual_filtering_shrinks_over_layers(tiny_engine):
     _, gradual = tiny_engine.prefill_logits(prompt(), policy="cacheblend:0.2:gradual")
     assert gradual.tokens_recomputed == sharp.tokens_recomputed  # same final budget
     assert gradual.computed_fraction > sharp.computed_fraction  # more tokens on the middle layers
+
+
+def test_clear_cache_with_a_tenant_touches_only_that_tenant(tiny_engine):
+    for tenant in ("a", "b"):
+        assert tiny_engine.warm(PASSAGES, tenant=tenant) == 3
+    first = prompt().chunks[0].id
+    assert tiny_engine.clear_cache(first, tenant="a") == 1
+    assert tiny_engine.warm(PASSAGES, tenant="a") == 1 and tiny_engine.warm(PASSAGES, tenant="b") == 0
+    assert tiny_engine.clear_cache(tenant="b") >= 3
+    assert tiny_engine.warm(PASSAGES, tenant="a") == 0 and tiny_engine.warm(PASSAGES, tenant="b") == 3

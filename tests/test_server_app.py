@@ -129,7 +129,8 @@ BAD = [
     ("warm-not-list", "POST", "/v1/chunks/warm", {"json": {"chunks": "abc"}}, 422, "chunks"),
     ("warm-oversize", "POST", "/v1/chunks/warm", {"json": {"chunks": ["a" * 201]}}, 413, "chunks.0.text"),
     ("delete-empty-id", "DELETE", "/v1/cache?chunk_id=", {}, 422, "chunk_id"),
-    ("delete-all-of-tenant", "DELETE", "/v1/cache", {"headers": {"X-RagCache-Tenant": "t"}}, 400, "chunk_id"),
+    ("delete-all-tenants-and-one-tenant", "DELETE", "/v1/cache?all_tenants=true",
+     {"headers": {"X-RagCache-Tenant": "t"}}, 400, "all_tenants"),
     ("unknown-path", "GET", "/v2/nothing", {}, 404, None),
     ("wrong-method", "GET", "/v1/generate", {}, 405, None),
 ]
@@ -190,6 +191,22 @@ def test_tenants_scope_chunk_ids_for_delete(client):
     again = {t: _post(client, "/v1/chunks/warm", {"chunks": [chunk], "tenant": t}).json()["computed"]
              for t in ("alpha", "beta")}
     assert again == {"alpha": 1, "beta": 0}
+
+
+def test_delete_without_chunk_id_is_the_callers_tenant_only_unless_all_tenants(client):
+    chunks = [{"id": f"doc-{i}", "text": f"Passage number {i} of the shared corpus."} for i in range(2)]
+    for tenant in ("alpha", "beta", None):
+        headers = {**AUTH, "X-RagCache-Tenant": tenant} if tenant else AUTH
+        assert _post(client, "/v1/chunks/warm", {"chunks": chunks}, headers=headers).json()["computed"] == 2
+    removed = client.delete("/v1/cache", headers={**AUTH, "X-RagCache-Tenant": "alpha"}).json()["removed"]
+    assert removed >= 2
+    left = {t: _post(client, "/v1/chunks/warm", {"chunks": chunks, **({"tenant": t} if t else {})}).json()["computed"]
+            for t in ("alpha", "beta", None)}
+    assert left == {"alpha": 2, "beta": 0, None: 0}  # only alpha's entries went (and were computed again)
+    client.delete("/v1/cache", headers=AUTH)  # no tenant: the default tenant's
+    assert _post(client, "/v1/chunks/warm", {"chunks": chunks, "tenant": "beta"}).json()["computed"] == 0
+    assert client.delete("/v1/cache?all_tenants=true", headers=AUTH).status_code == 200
+    assert _post(client, "/v1/chunks/warm", {"chunks": chunks, "tenant": "beta"}).json()["computed"] == 2
 
 
 def test_plan_reports_the_callers_chunk_ids_not_the_scoped_ones(client):

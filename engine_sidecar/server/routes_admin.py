@@ -61,19 +61,21 @@ def admin_router(ctx: ServerContext) -> APIRouter:
 
     @router.delete("/v1/cache", response_model=ClearResponse, dependencies=authorized,
                    responses=error_responses(400, 401, 422, 429, 503, 504),
-                   summary="Delete cached chunk KV: one chunk id (of the caller's tenant), or everything")
+                   summary="Delete cached chunk KV of the caller's tenant (one chunk id, or all of it), or, "
+                           "with all_tenants=true, of every tenant")
     async def clear_cache(request: Request, header_tenant: TenantHeader,
                           chunk_id: Annotated[str | None, Query(min_length=1, max_length=256,
                                                                 description="Only this chunk's entries")] = None,
+                          all_tenants: Annotated[bool, Query(description="Delete every tenant's entries (no "
+                                                                         "tenant header, no chunk_id)")] = False,
                           ) -> ClearResponse:
         tenant = header_tenant or ""
-        if chunk_id is None and tenant:
-            # the engine cannot delete one tenant's entries only; refusing beats wiping everyone's
-            raise ApiError(400, f"deleting all of one tenant's entries is not supported: give chunk_id, or "
-                                f"omit {TENANT_HEADER} to delete every tenant's entries", "chunk_id",
-                           "tenant_clear_unsupported")
+        if all_tenants and (header_tenant or chunk_id is not None):
+            raise ApiError(400, f"all_tenants=true deletes everything: give neither chunk_id nor {TENANT_HEADER}",
+                           "all_tenants", "invalid_clear")
         target = scope_id(chunk_id, tenant) if chunk_id is not None else None
-        removed = await run_on_worker(ctx, request, "clear", lambda: engine.clear_cache(target))
+        scope = None if all_tenants else tenant
+        removed = await run_on_worker(ctx, request, "clear", lambda: engine.clear_cache(target, scope))
         return ClearResponse(removed=removed, chunk_id=chunk_id)
 
     @router.get("/health", response_model=HealthResponse, summary="Liveness, model and queue depth (no auth)")

@@ -107,10 +107,16 @@ class ChunkStore:
             with self._lock:
                 self._by_chunk_id.setdefault(entry.chunk_id, set()).add(digest)
 
-    def delete(self, chunk_id: str | None = None) -> int:
-        """Drop all entries, or those of one chunk id; returns how many digests were removed."""
+    def delete(self, chunk_id: str | None = None, tenant: str | None = None) -> int:
+        """Drop all entries, or those of one chunk id, or (chunk_id None) those of one tenant;
+        returns how many digests were removed."""
         if self.disk is not None:
             self.disk.flush()
+        if chunk_id is None and tenant is not None:
+            digests = {d for d, entry in self.ram.items() if entry.tenant == tenant}
+            if self.disk is not None:
+                digests |= self.disk.digests_of_tenant(tenant)
+            return self._remove_digests(digests)
         if chunk_id is None:
             count = len(self.ram) + (len(self.disk) if self.disk else 0)
             self.ram.clear()
@@ -120,9 +126,28 @@ class ChunkStore:
                 self._by_chunk_id.clear()
             return count
         with self._lock:
-            digests = self._by_chunk_id.pop(chunk_id, set())
+            digests = set(self._by_chunk_id.get(chunk_id, set()))
         if self.disk is not None:  # entries from before a restart are only known on disk
             digests |= self.disk.digests_of(chunk_id)
+        if tenant is not None:  # the same id under another tenant is another tenant's entry
+            digests = {d for d in digests if self._tenant_of(d) == tenant}
+        with self._lock:
+            left = self._by_chunk_id.get(chunk_id, set()) - digests
+            if left:
+                self._by_chunk_id[chunk_id] = left
+            else:
+                self._by_chunk_id.pop(chunk_id, None)
+        return self._remove_digests(digests)
+
+    def _tenant_of(self, digest: str) -> str | None:
+        entry = self.ram.get(digest)
+        if entry is not None:
+            return entry.tenant
+        if self.disk is not None and digest in self.disk.digests():
+            return self.disk.metadata(digest).get("tenant", "")
+        return None
+
+    def _remove_digests(self, digests: set[str]) -> int:
         removed = 0
         for digest in digests:
             hit = self.ram.remove(digest)

@@ -330,6 +330,9 @@ class DiskTier:
     def digests_of(self, chunk_id: str) -> set[str]:
         return {d for d in self.digests() if self.metadata(d).get("chunk_id") == chunk_id}
 
+    def digests_of_tenant(self, tenant: str) -> set[str]:
+        return {d for d in self.digests() if self.metadata(d).get("tenant", "") == tenant}
+
     def _note_failure(self, counter: str, message: str) -> None:
         with self._lock:
             setattr(self.counters, counter, getattr(self.counters, counter) + 1)
