@@ -112,3 +112,13 @@ def test_rotating_pre_rope_keys_equals_prefill_at_offset(smol_pair):
         out = smol_pair[0](padded[None], use_cache=True)
     ref_keys = out.past_key_values.layers[0].keys[0].transpose(0, 1)[offset:]
     assert (rotated - ref_keys).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("override", [{"attention_bias": True}, {"mlp_bias": True}], ids=["o_proj-bias", "mlp-bias"])
+def test_tensors_the_runner_would_ignore_refuse_the_model(tmp_path, override):
+    from engine_sidecar.errors import UnsupportedModelError
+
+    model_dir = make_tiny_model(tmp_path, "llama", **override)
+    with pytest.raises(UnsupportedModelError, match="not supported") as info:
+        ModelRunner.load(model_dir, device="cpu", dtype="float32")
+    assert "bias" in str(info.value) and len(str(info.value).splitlines()) == 1

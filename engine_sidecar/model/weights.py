@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine_sidecar.errors import CorruptModelError, ModelNotFoundError
+from engine_sidecar.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 from engine_sidecar.model.config import ModelConfig
 
 
@@ -152,4 +152,14 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
         if not config.tie_word_embeddings:
             raise CorruptModelError(f"tensor 'lm_head.weight' is missing from {model_dir}")
         lm_head = embed
-    return ModelWeights(embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head)
+    final_norm = take("model.norm.weight")
+    # a tensor the forward would not use (an o_proj bias, MLP biases, ...) means another variant of
+    # the architecture: ignoring it would give wrong outputs silently
+    unused = sorted(k for k in raw if not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        shown = ", ".join(sorted({k.split(".", 3)[-1] if k.startswith("model.layers.") else k for k in unused})[:4])
+        raise UnsupportedModelError(
+            f"{model_dir} has {len(unused)} tensors this runner does not use ({shown}): this variant of "
+            f"the architecture is not supported"
+        )
+    return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
