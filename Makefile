@@ -69,5 +69,5 @@ bench-prefetch: model
 	$(BIN)/ragcache bench prefetch --data $(DATA) --n 5 --k 4 --repeats 3 --policy cachetune:0.15 --json bench-results/prefetch-cachetune.json
 
 bench-workload: model
-	$(BIN)/ragcache bench workload --corpus $(DATA) --stream documents --requests 160 --cold 40 --k 4 --systems full,fusion+reorder,vllm-apc+reorder --json bench-results/workload-documents.json
+	$(BIN)/ragcache bench workload --corpus $(DATA) --stream documents --requests 160 --cold 40 --k 4 --ram-cache-gb 6 --systems full,fusion+reorder,vllm-apc+reorder --json bench-results/workload-documents.json
 	$(BIN)/ragcache bench workload --corpus $(DATA) --stream questions --requests 160 --cold 40 --k 4 --systems full,fusion+reorder,vllm-apc+reorder --json bench-results/workload-questions.json

@@ -346,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="questions stream: share of draws that start a conversation")
     wl.add_argument("--question-pool", type=int, default=60, help="questions stream: questions drawn from (the first N)")
     wl.add_argument("--seed", type=int, default=0)
+    wl.add_argument("--ram-cache-gb", type=float, default=2.0,
+                    help="each engine system's RAM tier (no disk tier here): size it to hold the stream's "
+                         "passages, or evictions turn recurring chunks into misses (default 2)")
     wl.add_argument("--precompute", choices=["in-place", "inline", "background"], default="in-place",
                     help="how the engine systems compute a missed chunk (see `ragcache serve --help`)")
     wl.add_argument("--ratio", type=float, default=0.15, help="cacheblend recompute ratio for fusion systems")
