@@ -28,7 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from engine_sidecar.bench.report import write_report
+from engine_sidecar.bench.report import args_config, publish
 from engine_sidecar.errors import InvalidPromptError
 
 SYSTEMS = ("engine", "transformers", "vllm")
@@ -246,14 +246,10 @@ def run_prefill(args: argparse.Namespace) -> int:
         else:
             notes.append("vllm: wall includes HTTP loopback, scheduling and one sampled token (the server's "
                          "own prefill time was not obtainable from /metrics)")
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    config = args_config(args)
     config.update({"model": str(model_dir), "source": source, "systems": systems, "notes": notes,
                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "threads": torch_threads()})
-    table = markdown_table(rows, notes)
-    print(table)
-    if args.json:
-        written = write_report(args.json, {"config": config, "rows": rows}, table)
-        console.print("wrote " + ", ".join(str(p) for p in written))
+    publish(console, args.json, {"config": config, "rows": rows}, markdown_table(rows, notes))
     return 0
 
 

@@ -3,9 +3,12 @@ Markdown beside it (`<name>.md`), so docs can quote what was measured."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
 
 
 def write_report(path: Path, payload: dict[str, Any], table: str) -> list[Path]:
@@ -14,3 +17,16 @@ def write_report(path: Path, payload: dict[str, Any], table: str) -> list[Path]:
     markdown = path.with_suffix(".md")
     markdown.write_text(table + "\n", encoding="utf-8")
     return [path, markdown]
+
+
+def args_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The command's flags as JSON-ready config (paths as strings)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+
+
+def publish(console: Console, json_path: Path | None, payload: dict[str, Any], table: str) -> None:
+    """Print the table; with --json, write it and the payload beside each other."""
+    print(table)
+    if json_path:
+        written = write_report(json_path, payload, table)
+        console.print("wrote " + ", ".join(str(p) for p in written))

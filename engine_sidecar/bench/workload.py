@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import track
 
 from engine_sidecar.bench.metrics import rouge_l
-from engine_sidecar.bench.report import write_report
+from engine_sidecar.bench.report import args_config, publish
 from engine_sidecar.bench.stream import (
     Request,
     build_document_stream,
@@ -132,15 +132,11 @@ def run_workload(args: argparse.Namespace) -> int:
             if replay is not None:
                 replay.step(request, logs)
     summary = summarize(logs, args.cold)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    config = args_config(args)
     config.update({"passages": len(corpus.passages), "stream_requests": len(stream),
                    "conversation_turns": sum(1 for r in stream if r.conversation_id),
                    "model": str(model_dir), "vllm_note": vllm_note})
-    table = markdown_table(summary, config)
-    print(table)
-    if args.json:
-        written = write_report(args.json, {"config": config, "systems": summary}, table)
-        console.print("wrote " + ", ".join(str(p) for p in written))
+    publish(console, args.json, {"config": config, "systems": summary}, markdown_table(summary, config))
     return 0
 
 
