@@ -190,7 +190,11 @@ class Planner:
                         pos = span.end
                         continue
                     extending = False  # evicted between match and lookup: fall back below
-                if chain_before is not None and self._exact_in_place(out, span, seg, tenant, policy, chain_before):
+                # one read of the chunk's in-context entry serves the exact check and fusion below
+                peeked = self._in_place_entry(seg, tenant, policy)
+                if chain_before is not None and peeked is not None and peeked.meta.get("chain") == chain_before:
+                    span.cached, span.mode = peeked, "exact"
+                    out.hits += 1
                     # (the tree cannot grow past a chunk it does not hold: later chunks fuse or miss)
                     extending = False
                     out.plan.spans.append(span)
@@ -221,7 +225,7 @@ class Planner:
                 if isinstance(policy, CacheCraftPolicy):
                     self._craft(out, span, digests[i], tuple(digests[:i]), tenant, policy)
                 elif policy.uses_cache and policy.fuses:
-                    self._fuse_or_miss(out, span, seg, prefix, tenant, chain_before)
+                    self._fuse_or_miss(out, span, seg, prefix, tenant, chain_before, peeked)
                 else:
                     out.misses += int(policy.uses_cache)
             if span.mode == "fuse":
@@ -229,17 +233,11 @@ class Planner:
             out.plan.spans.append(span)
             pos = span.end
 
-    def _exact_in_place(self, out: PlannedRequest, span: PlanSpan, seg: Segment, tenant: str, policy: Policy,
-                        chain_before: str) -> bool:
-        """A chunk computed in place after exactly the tokens now before it: reuse as is."""
+    def _in_place_entry(self, seg: Segment, tenant: str, policy: Policy) -> ChunkKV | None:
+        """The chunk's KV computed in place by an earlier request (fusion policies only)."""
         if not (policy.uses_cache and policy.fuses) or isinstance(policy, CacheCraftPolicy):
-            return False
-        entry = self.engine.lookup(self.engine._key(seg.token_ids, tenant, IN_CONTEXT))
-        if entry is None or entry.meta.get("chain") != chain_before:
-            return False
-        span.cached, span.mode = entry, "exact"
-        out.hits += 1
-        return True
+            return None
+        return self.engine.lookup(self.engine._key(seg.token_ids, tenant, IN_CONTEXT))
 
     def _fusable(self, seg: Segment, prefix: Segment, tenant: str) -> bool:
         """Whether fusion has stored KV for this chunk (any context)."""
@@ -277,15 +275,15 @@ class Planner:
         out.craft.append(RecordedChunk(len(out.plan.spans), (span.start, span.end), prior_spans, prior, digest))
 
     def _fuse_or_miss(self, out: PlannedRequest, span: PlanSpan, seg: Segment, prefix: Segment,
-                      tenant: str, chain_before: str | None) -> None:
-        """Reuse the chunk's stored KV (exactly when it was computed after these very tokens,
-        else fused), or plan the miss; `chain_before` names the exact KV before the chunk."""
+                      tenant: str, chain_before: str | None, in_place: ChunkKV | None) -> None:
+        """Fuse the chunk's stored KV (`in_place`: its in-context entry, already read), or plan
+        the miss; `chain_before` names the exact KV before the chunk, recorded with a miss."""
         engine = self.engine
         key = engine._key(seg.token_ids, tenant, engine._chunk_context(prefix))
         in_place_key = engine._key(seg.token_ids, tenant, IN_CONTEXT)
         # KV computed in a request's context first: it saw a system prompt and neighbours, as the
         # chunk will now; a precomputed (warm / background / inline) entry otherwise
-        span.cached = engine.lookup(in_place_key)
+        span.cached = in_place
         from_precompute = span.cached is None
         if from_precompute:
             span.cached = engine.lookup(key)
@@ -308,6 +306,4 @@ class Planner:
             # After-prefix KV of the first chunk was computed at exactly these positions.
             exact = (from_precompute and engine.config.convention == "after-prefix"
                      and span.start == len(prefix.token_ids) and out.conversation is None)
-            # computed in place after exactly the tokens before it now: its KV is full prefill's
-            exact = exact or (chain_before is not None and span.cached.meta.get("chain") == chain_before)
             span.mode = "exact" if exact else "fuse"
