@@ -39,8 +39,15 @@ class ChunkStore:
         self.ram = RamTier(ram_capacity_bytes)
         self.disk = DiskTier(disk_dir, disk_capacity_bytes) if disk_dir is not None else None
         self.device = device
-        self._lock = threading.Lock()
+        # guards the chunk-id index, and makes "remember, then put in RAM" one step for a
+        # concurrent prune (the disk writer's evictions arrive on its own thread)
+        self._lock = threading.RLock()
+        # chunk id -> digests of its entries, and back: only digests some tier still holds (an
+        # index that kept evicted digests grew with every chunk ever seen)
         self._by_chunk_id: dict[str, set[str]] = {}
+        self._ids_of: dict[str, set[str]] = {}
+        if self.disk is not None:
+            self.disk.on_gone = self._forget_gone
         self.hits_ram = self.hits_disk = self.misses = 0
         # (seconds, tokens) of each disk-tier read, for the engine's running cost estimate
         self.on_disk_load: Callable[[float, int], None] | None = None
@@ -68,8 +75,7 @@ class ChunkStore:
                 entry.keys, entry.values = entry.keys.to(self.device), entry.values.to(self.device)
                 if self.on_disk_load is not None:
                     self.on_disk_load(time.perf_counter() - started, entry.num_tokens)
-                self._remember(digest, entry)
-                self.ram.put(digest, entry)
+                self._ram_put(digest, entry)
                 return entry
         self.misses += 1
         return None
@@ -80,8 +86,7 @@ class ChunkStore:
         entry.reader = None
         if digest is not None:
             entry.keys, entry.values = entry.keys.to(self.device), entry.values.to(self.device)
-            self._remember(digest, entry)
-            self.ram.put(digest, entry)
+            self._ram_put(digest, entry)
 
     def contains(self, key: CacheKey) -> bool:
         digest = key.digest
@@ -89,23 +94,37 @@ class ChunkStore:
 
     def put(self, key: CacheKey, entry: ChunkKV) -> None:
         digest = key.digest
-        self._remember(digest, entry)
-        self.ram.put(digest, entry)
+        self._ram_put(digest, entry)
         if self.disk is not None:
             self.disk.put(digest, entry)
 
     def remove(self, key: CacheKey) -> bool:
         """Drop one entry from every tier; whether it was held."""
-        digest = key.digest
-        hit = self.ram.remove(digest)
-        if self.disk is not None:
-            hit = self.disk.remove(digest) or hit
-        return hit
+        return self._remove_digests({key.digest}) > 0
 
-    def _remember(self, digest: str, entry: ChunkKV) -> None:
-        if entry.chunk_id:
-            with self._lock:
+    def _ram_put(self, digest: str, entry: ChunkKV) -> None:
+        with self._lock:
+            if entry.chunk_id:
                 self._by_chunk_id.setdefault(entry.chunk_id, set()).add(digest)
+                self._ids_of.setdefault(digest, set()).add(entry.chunk_id)
+            self._forget_gone(self.ram.put(digest, entry))
+
+    def _forget_gone(self, digests: list[str] | set[str]) -> None:
+        """Drop from the chunk-id index the digests no tier holds any more (RAM evicted them, the
+        disk tier evicted or lost them, or they were removed). One still queued for a disk write
+        is dropped too: once written, `delete` finds it from the file's metadata."""
+        if not digests:
+            return
+        with self._lock:
+            for digest in digests:
+                if digest in self.ram or (self.disk is not None and digest in self.disk):
+                    continue
+                for chunk_id in self._ids_of.pop(digest, ()):
+                    held = self._by_chunk_id.get(chunk_id)
+                    if held is not None:
+                        held.discard(digest)
+                        if not held:
+                            del self._by_chunk_id[chunk_id]
 
     def delete(self, chunk_id: str | None = None, tenant: str | None = None) -> int:
         """Drop all entries, or those of one chunk id, or (chunk_id None) those of one tenant;
@@ -124,6 +143,7 @@ class ChunkStore:
                 self.disk.clear()
             with self._lock:
                 self._by_chunk_id.clear()
+                self._ids_of.clear()
             return count
         with self._lock:
             digests = set(self._by_chunk_id.get(chunk_id, set()))
@@ -131,12 +151,6 @@ class ChunkStore:
             digests |= self.disk.digests_of(chunk_id)
         if tenant is not None:  # the same id under another tenant is another tenant's entry
             digests = {d for d in digests if self._tenant_of(d) == tenant}
-        with self._lock:
-            left = self._by_chunk_id.get(chunk_id, set()) - digests
-            if left:
-                self._by_chunk_id[chunk_id] = left
-            else:
-                self._by_chunk_id.pop(chunk_id, None)
         return self._remove_digests(digests)
 
     def _tenant_of(self, digest: str) -> str | None:
@@ -154,7 +168,13 @@ class ChunkStore:
             if self.disk is not None:
                 hit = self.disk.remove(digest) or hit
             removed += int(hit)
+        self._forget_gone(digests)
         return removed
+
+    def chunk_id_index(self) -> dict[str, set[str]]:
+        """A copy of the chunk-id index (chunk id -> digests held in some tier), for checks."""
+        with self._lock:
+            return {chunk_id: set(held) for chunk_id, held in self._by_chunk_id.items()}
 
     def flush(self) -> None:
         if self.disk is not None:

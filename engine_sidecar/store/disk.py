@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,6 +232,9 @@ class DiskTier:
         self._pending_bytes = 0
         self._in_flight = 0  # queued + being written
         self._writer: threading.Thread | None = None
+        # told (outside the tier's lock) which digests the tier itself let go of: evicted, found
+        # damaged or missing; the chunk store prunes its chunk-id index with it
+        self.on_gone: Callable[[list[str]], None] | None = None
         self._start_writer()
 
     # --- start-up ------------------------------------------------------------------------------
@@ -289,18 +293,29 @@ class DiskTier:
                 self._bytes -= item.size
             return item
 
-    def _evict_to(self, incoming: int) -> None:
-        """With the lock held: remove least recently used files until `incoming` more bytes fit."""
+    def _evict_to(self, incoming: int) -> list[str]:
+        """With the lock held: remove least recently used files until `incoming` more bytes fit;
+        the digests removed."""
+        evicted: list[str] = []
         if not self.capacity_bytes:
-            return
+            return evicted
         while self._index and self._bytes + incoming > self.capacity_bytes:
             digest, item = self._index.popitem(last=False)
             self._bytes -= item.size
             self.counters.evictions += 1
+            evicted.append(digest)
             try:
                 self.path_for(digest).unlink(missing_ok=True)
             except OSError as exc:
                 log.warning("could not remove evicted chunk cache file %s: %s", digest, exc)
+        return evicted
+
+    def _gone(self, digests: list[str]) -> None:
+        if digests and self.on_gone is not None:
+            try:
+                self.on_gone(digests)
+            except Exception:  # noqa: BLE001 - bookkeeping elsewhere must never break the tier
+                log.exception("on_gone callback failed")
 
     @property
     def bytes_used(self) -> int:
@@ -414,7 +429,8 @@ class DiskTier:
             return
         self._drop(digest)  # rewritten (same digest): its old bytes are freed first
         with self._lock:
-            self._evict_to(size)
+            evicted = self._evict_to(size)
+        self._gone(evicted)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}{_TMP}")
         try:
@@ -447,6 +463,7 @@ class DiskTier:
             _verify_file(meta, tensors)
         except FileNotFoundError:  # removed meanwhile (evicted, deleted by hand): a plain miss
             self._drop(digest)
+            self._gone([digest])
             return None
         except Exception as exc:  # any damage at all must end as a miss, never a crash
             self.forget_damaged(path, str(exc))
@@ -459,11 +476,13 @@ class DiskTier:
     def forget_damaged(self, path: Path, why: str) -> None:
         self._note_failure("corrupt_files", f"{path.name}: {why}")
         log.warning("chunk cache file %s is damaged (%s); recomputing it", path.name, why)
-        self._drop(path.name[: -len(_SUFFIX)] if path.name.endswith(_SUFFIX) else path.name)
+        digest = path.name[: -len(_SUFFIX)] if path.name.endswith(_SUFFIX) else path.name
+        self._drop(digest)
         try:
             path.unlink(missing_ok=True)
         except OSError:
             pass
+        self._gone([digest])
 
     def lazy(self, digest: str) -> ChunkKV | None:
         """The entry with its token ids and shapes read now (verified) and its KV still on disk, to
@@ -491,6 +510,7 @@ class DiskTier:
                 raise ValueError("shapes disagree with the row checksums")
         except FileNotFoundError:
             self._drop(digest)
+            self._gone([digest])
             return None
         except Exception as exc:  # a damaged header is a miss, like in `get`
             self.forget_damaged(path, str(exc))
