@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_sidecar.store.entry import ChunkKV
@@ -33,12 +34,16 @@ class ConversationStore:
     (the KV of every kept history together: it is not part of the chunk store's RAM tier)."""
 
     def __init__(self, ttl_s: float = 900.0, max_tokens: int = 4096, max_conversations: int = 64,
-                 max_bytes: int = 512 << 20):
+                 max_bytes: int = 512 << 20, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
         self.ttl_s = ttl_s
         self.max_tokens = max_tokens
         self.max_conversations = max_conversations
         self.max_bytes = max_bytes
         self._items: OrderedDict[tuple[str, str], Conversation] = OrderedDict()
+        # bytes each kept conversation was counted as: removal subtracts exactly that, even if
+        # someone replaced its history meanwhile
+        self._sizes: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self.evicted = 0
         self.bytes = 0
@@ -46,7 +51,7 @@ class ConversationStore:
     def _remove(self, key: tuple[str, str]) -> Conversation | None:
         conv = self._items.pop(key, None)
         if conv is not None:
-            self.bytes -= conv.history.nbytes
+            self.bytes -= self._sizes.pop(key)
         return conv
 
     def _expire(self, now: float) -> None:
@@ -55,24 +60,29 @@ class ConversationStore:
             self.evicted += 1
 
     def get(self, tenant: str, conversation_id: str) -> Conversation | None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             self._expire(now)
             conv = self._items.get((tenant, conversation_id))
             if conv is not None:
+                # a read is a use: the TTL and the LRU order agree on what was used last
+                conv.last_used = now
                 self._items.move_to_end((tenant, conversation_id))
             return conv
 
     def put(self, conv: Conversation) -> bool:
         """Keep the conversation unless it is over the token budget (then it is dropped)."""
         key = (conv.tenant, conv.conversation_id)
+        now = self.clock()
         with self._lock:
+            self._expire(now)
             self._remove(key)
             if conv.num_tokens > self.max_tokens or conv.history.nbytes > self.max_bytes or self.max_conversations < 1:
                 self.evicted += 1
                 return False
-            conv.last_used = time.monotonic()
+            conv.last_used = now
             self._items[key] = conv
+            self._sizes[key] = conv.history.nbytes
             self.bytes += conv.history.nbytes
             while len(self._items) > self.max_conversations or self.bytes > self.max_bytes:
                 self._remove(next(iter(self._items)))
