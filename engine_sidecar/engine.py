@@ -1,7 +1,9 @@
 """The engine object: model runner + tokenizer + chunk store + planner + executor + decode.
 
 It is the only stateful object in the sidecar; everything it hands between stages is plain data.
-One sequence is prefilled/decoded at a time (a lock serializes requests); the HTTP layer queues.
+Generation requests become Sequences that the Scheduler serves in batches (one prefill or one
+batched decode step at a time, under the engine's lock); warm-ups, clears and fidelity probes
+take the same lock between steps.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from engine_sidecar.policies import CacheCraftPolicy, Policy, ReusePolicy, parse
 from engine_sidecar.prefetch import preload_depth
 from engine_sidecar.prompt import PromptBuilder, Segment
 from engine_sidecar.reorder import ChunkAccessTable, access_key, check_order
-from engine_sidecar.sampling import TextAccumulator, choose_token
+from engine_sidecar.scheduler import Scheduler
+from engine_sidecar.sequence import Sequence
 from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.disk import DamagedCacheFile
 from engine_sidecar.store.entry import CacheKey, ChunkKV
@@ -85,6 +88,8 @@ class EngineConfig:
     cachecraft_variants_per_chunk: int = 4  # Cache-Craft's M
     cachecraft_max_chunks: int = 1024  # Cache-Craft's N: N * M variants in all
     prefetch: bool = True  # read disk-tier chunk KV layer by layer while earlier layers compute
+    max_batch: int = 16  # sequences decoded together in one batched step
+    batch_kv_bytes: int = 4 << 30  # KV of the running sequences together (prompt + max_tokens each)
 
 
 class GenerationStream:
@@ -103,11 +108,20 @@ class GenerationStream:
         """Like iterating, plus an empty string for every token that added no text yet (held
         back for a stop string, or an incomplete character): a consumer that checks for
         cancellation between items sees one item per generated token."""
-        for event in self._events:
-            if isinstance(event, GenerationResult):
-                self.result = event
-            else:
-                yield event
+        try:
+            for event in self._events:
+                if isinstance(event, GenerationResult):
+                    self.result = event
+                else:
+                    yield event
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the generation (a no-op once it finished): its sequence leaves the batch."""
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            close()
 
 
 class Engine:
@@ -134,6 +148,10 @@ class Engine:
         self._variants_loaded = False
         store.on_disk_load = lambda seconds, tokens: self.costs.observe_load("disk", seconds, tokens)
         self.cptree = CPTree(lambda node: self.store.contains(self.planner.node_key(node)), config.promote_threshold)
+        c = runner.config
+        kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
+        self.scheduler = Scheduler(runner, self._lock, self._begin, self._complete, config.max_batch,
+                                   max(1, config.batch_kv_bytes // kv_row_bytes))
 
     @classmethod
     def from_pretrained(cls, model: str | Path = "default", device: str = "auto", dtype: str = "auto",
@@ -272,7 +290,7 @@ class Engine:
     def stream(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                policy: str | Policy = "cacheblend", tenant: str = "", order: str = "preserve") -> GenerationStream:
         prompt, sampling, pol = self._prepare(prompt, sampling, policy, order, tenant)
-        return GenerationStream(self._run(prompt, sampling, pol, tenant))
+        return GenerationStream(self._submit(prompt, sampling, pol, tenant))
 
     def _prepare(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None,
                  policy: str | Policy, order: str, tenant: str) -> tuple[ChunkedPrompt, SamplingParams, Policy]:
@@ -315,12 +333,14 @@ class Engine:
                     tenant: str = "") -> GenerationStream:
         """A plain chat completion (no chunks): the whole prompt is computed fresh."""
         sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
+        t0 = time.perf_counter()
         assembled = self.builder.build_chat(messages)
         self._check_total(len(assembled), sampling.max_tokens)
         seg = assembled.segments[0]
         plan = FusionPlan([PlanSpan("question", 0, seg.token_ids, "fresh")], "full")
-        return GenerationStream(self._decode_loop(PlannedRequest(plan), sampling, parse_policy("full"), "", None,
-                                                  time.perf_counter(), {}))
+        seq = Sequence(sampling, parse_policy("full"), "", None, PlannedRequest(plan), len(assembled), t0)
+        self.scheduler.submit(seq)
+        return GenerationStream(seq.events())
 
     def _check_total(self, total: int, max_tokens: int) -> None:
         if total + max_tokens > self.max_context:
@@ -329,68 +349,57 @@ class Engine:
                 f"model's context window ({self.max_context}); send fewer or shorter chunks or lower max_tokens"
             )
 
-    def _validate(self, prompt: ChunkedPrompt, max_tokens: int) -> None:
+    def _validate(self, prompt: ChunkedPrompt, max_tokens: int) -> int:
+        """The prompt's token count, after checking it fits the context window."""
         assembled = self.builder.build(prompt)
         for i, seg in enumerate(s for s in assembled.segments if s.kind == "chunk"):
             self._check_chunk_fits(seg, i)
         self._check_total(len(assembled), max_tokens)
+        return len(assembled)
 
-    def _run(self, prompt: ChunkedPrompt, sampling: SamplingParams, policy: Policy,
-             tenant: str) -> Iterator[str | GenerationResult]:
+    def _submit(self, prompt: ChunkedPrompt, sampling: SamplingParams, policy: Policy,
+                tenant: str) -> Iterator[str | GenerationResult]:
+        """Validate (a bad prompt raises here, before anything is queued), queue the sequence
+        for the scheduler and hand on what it produces."""
         t0 = time.perf_counter()
-        times: dict[str, float] = {}
-        self._validate(prompt, sampling.max_tokens)
-        times["tokenize_s"] = time.perf_counter() - t0
-        with self._lock:
-            t1 = time.perf_counter()
-            planned = self._plan(prompt, policy, tenant)
-            if planned.plan.num_tokens + sampling.max_tokens > self.max_context and planned.conversation:
-                # the history no longer fits: drop the conversation whole and start over
-                self.conversations.drop(tenant, prompt.conversation_id or "")
-                planned = self._plan(prompt, policy, tenant)
-                planned.plan.notes.append("conversation evicted: history over the context window")
-            times["plan_s"] = time.perf_counter() - t1
-            yield from self._decode_loop(planned, sampling, policy, tenant, prompt, t0, times)
-        if planned.background:
-            for seg, prefix in planned.background:
-                self._enqueue_background(seg, prefix, tenant)
+        total = self._validate(prompt, sampling.max_tokens)
+        seq = Sequence(sampling, policy, tenant, prompt, None, total, t0, {"tokenize_s": time.perf_counter() - t0})
+        self.scheduler.submit(seq)
+        yield from seq.events()
 
-    def _decode_loop(self, planned: PlannedRequest, sampling: SamplingParams, policy: Policy, tenant: str,
-                     prompt: ChunkedPrompt | None, t0: float,
-                     times: dict[str, float]) -> Iterator[str | GenerationResult]:
-        planned, result = self._prefill(planned, policy, prompt, tenant,
-                                        planned.plan.num_tokens + sampling.max_tokens + 1, times)
-        self._learn(planned, result, tenant)
-        generator = torch.Generator(device="cpu").manual_seed(sampling.seed) if sampling.seed is not None else None
+    def _begin(self, seq: Sequence) -> bool:
+        """Scheduler step (engine lock held): plan, prefill, keep what the prefill computed, sample
+        the first token. True while the sequence wants more tokens."""
+        started = time.perf_counter()
+        seq.times["queue_s"] = started - seq.t0 - seq.times.get("tokenize_s", 0.0)
+        planned = seq.planned
+        if planned is None:
+            assert seq.prompt is not None
+            planned = self._plan(seq.prompt, seq.policy, seq.tenant)
+            if planned.plan.num_tokens + seq.sampling.max_tokens > self.max_context and planned.conversation:
+                # the history no longer fits: drop the conversation whole and start over
+                self.conversations.drop(seq.tenant, seq.prompt.conversation_id or "")
+                planned = self._plan(seq.prompt, seq.policy, seq.tenant)
+                planned.plan.notes.append("conversation evicted: history over the context window")
+            seq.times["plan_s"] = time.perf_counter() - started
+        capacity = planned.plan.num_tokens + seq.sampling.max_tokens + 1
+        planned, result = self._prefill(planned, seq.policy, seq.prompt, seq.tenant, capacity, seq.times)
+        self._learn(planned, result, seq.tenant)
+        seq.planned = planned
         assert result.logits is not None
-        token = choose_token(result.logits, sampling, generator)
-        stats = self._stats(planned, result, time.perf_counter() - t0, policy, times)
-        text = TextAccumulator(self.builder.decode, sampling.stop)
-        stop_ids = self.eos_ids | set(sampling.stop_token_ids)
-        generated: list[int] = []
-        finish = "length"
-        t3 = time.perf_counter()
-        while True:
-            if token in stop_ids:
-                finish = "stop"
-                break
-            generated.append(token)
-            yield text.add(token)  # "" when the token added no text yet: still one item per token
-            if text.stopped:
-                finish = "stop"
-                break
-            if len(generated) >= sampling.max_tokens:
-                break
-            token = choose_token(decode_step(self.runner, result.kv, token), sampling, generator)
-        tail = text.finish()
-        if tail:
-            yield tail
-        times["decode_s"] = time.perf_counter() - t3
-        if prompt is not None and prompt.conversation_id:
-            self._keep_conversation(prompt, planned, result.kv, generated, tenant)
-        stats.decode_tokens = len(generated)
-        stats.stage_times = times
-        yield GenerationResult(text=text.text, token_ids=generated, finish_reason=finish, stats=stats)
+        stats = self._stats(planned, result, time.perf_counter() - seq.t0, seq.policy, seq.times)
+        return seq.begin_decoding(result.logits, result.kv, stats, self.builder.decode, self.eos_ids)
+
+    def _complete(self, seq: Sequence) -> None:
+        """Scheduler step after a sequence's last token: keep its conversation and queue its
+        background precompute, then post the result (a caller that acts on the result at once,
+        with a next turn or `wait_background`, finds both done)."""
+        assert seq.planned is not None and seq.kv is not None
+        if seq.prompt is not None and seq.prompt.conversation_id:
+            self._keep_conversation(seq.prompt, seq.planned, seq.kv, seq.generated, seq.tenant)
+        for chunk_seg, prefix in seq.planned.background:
+            self._enqueue_background(chunk_seg, prefix, seq.tenant)
+        seq.finish()
 
     def _keep_conversation(self, prompt: ChunkedPrompt, planned: PlannedRequest, kv: KVBuffer,
                            generated: list[int], tenant: str) -> None:
@@ -583,6 +592,7 @@ class Engine:
             return self.store.delete(chunk_id, tenant)
 
     def close(self) -> None:
+        self.scheduler.close()
         if self._worker is not None:
             self._background.put(None)
             self._worker.join(timeout=30)

@@ -166,23 +166,47 @@ def fused_prefill(
                          prefetcher.times if prefetcher else None, prefetched)
 
 
-@torch.inference_mode()
 def decode_step(runner: ModelRunner, kv: KVBuffer, token_id: int) -> torch.Tensor:
     """Append one token at position kv.length and return its logits [vocab]."""
-    pos = kv.length
-    kv.ensure_capacity(pos + 1)
+    return decode_batch(runner, [kv], [token_id])[0]
+
+
+@torch.inference_mode()
+def decode_batch(runner: ModelRunner, kvs: list[KVBuffer], token_ids: list[int]) -> torch.Tensor:
+    """One decode step for several sequences at once: token i is appended to kvs[i] at its own
+    position. Projections and MLPs run as one matmul over the batch (on a CPU a [B, hidden]
+    GEMM costs about what a [1, hidden] one does: the weights are read once); attention runs per
+    sequence over that sequence's KV. Returns logits [B, vocab]."""
     device = runner.device
-    position = torch.tensor([pos], device=device)
-    cos, sin = runner.rope_tables(position)
-    key_pos = torch.arange(pos + 1, device=device)
-    hidden = runner.embed(torch.tensor([token_id], device=device))
+    positions = [kv.length for kv in kvs]
+    for kv, pos in zip(kvs, positions, strict=True):
+        kv.ensure_capacity(pos + 1)
+    position_t = torch.tensor(positions, device=device)
+    cos, sin = runner.rope_tables(position_t)
+    window = runner.config.sliding_window
+    hidden = runner.embed(torch.tensor(token_ids, device=device))
     for layer in range(runner.num_layers):
         qkv = runner.qkv(layer, hidden)
-        kv.keys_pre[layer, pos] = qkv.k[0]
-        kv.keys[layer, pos] = apply_rope(qkv.k, cos, sin)[0]
-        kv.values[layer, pos] = qkv.v[0]
+        k_rot = apply_rope(qkv.k, cos, sin)
         q = apply_rope(qkv.q, cos, sin)
-        attn = runner.attention(q, kv.keys[layer, : pos + 1], kv.values[layer, : pos + 1], position, key_pos)
+        outputs = []
+        for i, (kv, pos) in enumerate(zip(kvs, positions, strict=True)):
+            kv.keys_pre[layer, pos] = qkv.k[i]
+            kv.keys[layer, pos] = k_rot[i]
+            kv.values[layer, pos] = qkv.v[i]
+            outputs.append(_decode_attention(q[i], kv.keys[layer, : pos + 1], kv.values[layer, : pos + 1], window))
+        attn = torch.stack(outputs) if len(outputs) > 1 else outputs[0][None]
         hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn))
-    kv.length = pos + 1
-    return runner.logits(hidden)[0]
+    for kv, pos in zip(kvs, positions, strict=True):
+        kv.length = pos + 1
+    return runner.logits(hidden)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The newest token's query [H, D] over keys [n, Hkv, D] -> [H * D]. It sees every key (the
+    last `window` with a sliding window), so no mask is built."""
+    if window is not None and k.shape[0] > window:
+        k, v = k[-window:], v[-window:]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[None, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=q.shape[0] != k.shape[1])
+    return out.reshape(-1)

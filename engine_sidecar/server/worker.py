@@ -1,10 +1,11 @@
-"""The engine worker: one thread runs all engine work, behind a bounded admission count.
+"""Engine jobs off the event loop, behind a bounded admission count.
 
-The engine serializes requests anyway (one sequence at a time), so one thread loses nothing and
-keeps torch off the event loop. Admission is refused at once when `max_queue` requests are queued
-or running (the HTTP layer answers 429). A job is an iterator run on the worker; its items reach
-the event loop through an asyncio queue, and a cancelled job stops between two items (two
-tokens), or is skipped altogether if it was cancelled while still queued.
+Admission is refused at once when `max_queue` requests are queued or running (the HTTP layer
+answers 429). Each admitted job gets a thread of its own: a generation job mostly waits on its
+sequence's outbox while the engine's scheduler batches it with the others; warm-ups and clears
+take the engine's lock between scheduler steps. A job is an iterator; its items reach the event
+loop through an asyncio queue, and a cancelled job stops between two items (two tokens), or is
+skipped altogether if it was cancelled before it started.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Job:
 class EngineWorker:
     def __init__(self, max_queue: int):
         self.max_queue = max_queue
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragcache-engine")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, max_queue), thread_name_prefix="ragcache-job")
         self._lock = threading.Lock()
         self._depth = 0
         self._live: set[Job] = set()

@@ -1,0 +1,120 @@
+"""Batched serving: decode steps over several sequences at once, admission limits, cancellation,
+and greedy answers that do not depend on what else is running."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine_sidecar import Engine
+from engine_sidecar.executor import decode_batch, fused_prefill
+from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.plan import FusionPlan, PlanSpan
+from engine_sidecar.policies import FullPolicy
+from tests.conftest import make_tiny_model
+
+PASSAGES = [
+    "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
+    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres.",
+    "The Danube passes through ten countries, more than any other river in the world.",
+    "Lake Baikal in Siberia holds about a fifth of the fresh surface water on Earth.",
+]
+QUESTIONS = ["Which river reaches the Atlantic?", "How high is Kilimanjaro?", "How many countries does the Danube cross?",
+             "Where is Lake Baikal?", "Which is the highest mountain in Africa?", "What does Lake Baikal hold?"]
+
+
+def _prefilled(runner: ModelRunner, ids: list[int]):
+    plan = FusionPlan([PlanSpan("question", 0, tuple(ids), "fresh")], "full")
+    return fused_prefill(runner, plan, FullPolicy(), capacity=len(ids) + 1)
+
+
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("mistral", {"sliding_window": 7})])
+def test_batched_decode_equals_full_forward_of_each_sequence(tmp_path, model_type, extra):
+    """Three sequences of different lengths decoded together, token by token, give the logits a
+    full forward of each extended sequence gives (with a sliding window exceeded too)."""
+    runner = ModelRunner.load(make_tiny_model(tmp_path / model_type, model_type, **extra), device="cpu",
+                              dtype="float32")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 11, 17)]
+    kvs = [_prefilled(runner, ids).kv for ids in prompts]
+    seqs = [list(ids) for ids in prompts]
+    for step in range(4):
+        tokens = [int(t) for t in torch.randint(3, 256, (3,), generator=gen)]
+        logits = decode_batch(runner, kvs, tokens)
+        for i, token in enumerate(tokens):
+            seqs[i].append(token)
+            expected = runner.forward(torch.tensor(seqs[i]))[-1]
+            assert (logits[i] - expected).abs().max().item() < 1e-4, (model_type, step, i)
+            assert kvs[i].length == len(seqs[i])
+
+
+@pytest.fixture(scope="module")
+def smol_engine(smol_dir, tmp_path_factory):
+    engine = Engine.from_pretrained(smol_dir, device="cpu", dtype="float32", disk=False)
+    yield engine
+    engine.close()
+
+
+def _prompt(i: int) -> dict:
+    return {"chunks": [PASSAGES[i % 4], PASSAGES[(i + 1) % 4]], "question": QUESTIONS[i % len(QUESTIONS)]}
+
+
+def _concurrently(fn, n: int) -> list:
+    results: list = [None] * n
+    start = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        start.wait()
+        results[i] = fn(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return results
+
+
+@pytest.mark.parametrize("policy", ["full", "cacheblend"])
+def test_greedy_answers_under_concurrency_equal_sequential_ones(smol_engine, policy):
+    """The real SmolLM2: six requests at once are batched (a decode step serves several) and
+    each answers token for token what it answers alone."""
+    n = 6
+    alone = [smol_engine.generate(_prompt(i), {"max_tokens": 12}, policy=policy).token_ids for i in range(n)]
+    steps, served = smol_engine.scheduler.steps_decode, smol_engine.scheduler.decode_batch_sum
+    together = _concurrently(lambda i: smol_engine.generate(_prompt(i), {"max_tokens": 12}, policy=policy), n)
+    assert [r.token_ids for r in together] == alone
+    assert smol_engine.scheduler.decode_batch_sum - served > smol_engine.scheduler.steps_decode - steps, \
+        "no decode step served more than one sequence"
+    assert all(r.stats.stage_times["queue_s"] >= 0 for r in together)
+
+
+def test_max_batch_and_kv_budget_bound_the_running_set(tiny_llama_dir, tmp_path):
+    engine = Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", disk=False, max_batch=2)
+    try:
+        _concurrently(lambda i: engine.generate(_prompt(i), {"max_tokens": 16}, policy="full"), 5)
+        assert engine.scheduler.peak_batch == 2
+    finally:
+        engine.close()
+    # a budget below one sequence's KV: each runs alone (still runs: nothing would otherwise)
+    engine = Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", disk=False, batch_kv_bytes=1)
+    try:
+        results = _concurrently(lambda i: engine.generate(_prompt(i), {"max_tokens": 8}, policy="full"), 3)
+        assert all(r.token_ids for r in results)
+        assert engine.scheduler.peak_batch == 1
+    finally:
+        engine.close()
+
+
+def test_a_closed_stream_leaves_the_batch_and_others_finish(tiny_engine):
+    stream = tiny_engine.stream(_prompt(0), {"max_tokens": 400, "stop_token_ids": []}, policy="full")
+    ticks = stream.ticks()
+    next(ticks)
+    other = tiny_engine.generate(_prompt(1), {"max_tokens": 6}, policy="full")
+    stream.close()
+    assert stream.result is None
+    after = tiny_engine.generate(_prompt(2), {"max_tokens": 6}, policy="full")
+    assert len(other.token_ids) <= 6 and after.finish_reason in ("length", "stop")
+    assert tiny_engine.scheduler.running == 0 and tiny_engine.scheduler.waiting == 0
