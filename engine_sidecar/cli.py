@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from engine_sidecar.errors import RagCacheError
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, policy_arg, policy_help, policy_list_arg
 
-POLICY_HELP = "full | prefix | reuse | cacheblend[:ratio] | focus[:ratio] | epic[:k] | cachetune[:ratio] | cachecraft[:alpha]"
+POLICY_HELP = policy_help()
 
 
 def _non_negative(text: str) -> float:
@@ -229,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chunk", action="append", default=[], help="chunk text (repeatable)")
     gen.add_argument("--chunk-file", action="append", default=[], help="file whose text is one chunk (repeatable)")
     gen.add_argument("--system", default=None, help="system prompt")
-    gen.add_argument("--policy", default="cacheblend", help=POLICY_HELP)
+    gen.add_argument("--policy", default=DEFAULT_POLICY, type=policy_arg, help=POLICY_HELP)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--explain", action="store_true", help="print the fusion plan and all stats")
@@ -260,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job: a scripted RAG run showing answers and what reuse saved")
     demo.add_argument("--data", type=Path, default=None, help="QA file (default: the bundled sample)")
     demo.add_argument("--max-tokens", type=int, default=32)
-    demo.add_argument("--policy", default="cacheblend", help=POLICY_HELP)
+    demo.add_argument("--policy", default=DEFAULT_POLICY, type=policy_arg, help=POLICY_HELP)
     _engine_args(demo)
     demo.set_defaults(func=cmd_demo)
 
@@ -291,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "set shipped in the fanoutqa wheel, assembled into passages; docs/benchmarks.md)")
     fid.add_argument("--n", type=int, default=20, help="number of questions")
     fid.add_argument("--k", type=int, default=4, help="chunks per question")
-    fid.add_argument("--policies", default="full,reuse,cacheblend:0.15,epic:16", help="comma list of " + POLICY_HELP)
+    fid.add_argument("--policies", default="full,reuse,cacheblend:0.15,epic:16", type=policy_list_arg,
+                     help="comma list of " + POLICY_HELP)
     fid.add_argument("--max-tokens", type=int, default=32)
     fid.add_argument("--json", type=Path, default=None, help="write results JSON here")
     fid.add_argument("--no-transformers", action="store_true", help="skip timing transformers' own prefill")
@@ -314,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--n", type=int, default=5, help="questions (default 5)")
     pf.add_argument("--k", type=int, default=4, help="chunks per question (default 4)")
     pf.add_argument("--repeats", type=int, default=3, help="cold requests per question and mode (default 3)")
-    pf.add_argument("--policy", default="cacheblend", help=POLICY_HELP)
+    pf.add_argument("--policy", default=DEFAULT_POLICY, type=policy_arg, help=POLICY_HELP)
     pf.add_argument("--json", type=Path, default=None, help="write results JSON (and a .md table) here")
     _engine_args(pf)
     pf.set_defaults(func=cmd_bench_prefetch)

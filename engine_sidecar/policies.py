@@ -18,6 +18,7 @@ import torch
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.frequency import DEFAULT_CUTOFF, frequency_scores
 from engine_sidecar.plan import FusionPlan
+from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
 
 
 @dataclass
@@ -298,36 +299,34 @@ class CacheCraftPolicy(Policy):
 
 
 def parse_policy(spec: str) -> Policy:
-    """'full', 'prefix', 'reuse', 'cacheblend', 'cacheblend:0.3', 'cacheblend:0.3:gradual', 'cacheblend:auto',
-    'epic:16', 'cachetune:0.15', 'cachetune:auto', 'cachecraft:1', 'cachecraft:1:nostop'."""
-    name, _, arg = spec.partition(":")
-    arg, _, flag = arg.partition(":")
+    """A Policy from its spec ('cacheblend:0.3:gradual', 'epic:16', 'cachecraft:1:nostop', ...).
+
+    The grammar, defaults and argument ranges live in `ragcache_integrations.policy_registry`, so
+    the CLI, the HTTP API and this parser accept and reject exactly the same strings."""
     try:
-        if name == "full":
-            return FullPolicy()
-        if name == "prefix":
-            return PrefixPolicy()
-        if name == "reuse":
-            return ReusePolicy()
-        if name == "cacheblend":
-            if flag not in ("", "gradual"):
-                raise ValueError(f"unknown cacheblend option '{flag}' (only 'gradual')")
-            blend = CacheBlendPolicy(0.15 if arg in ("", "auto") else float(arg), gradual=flag == "gradual")
-            blend.auto = arg == "auto"
-            return blend
-        if name == "focus":
-            return FocusPolicy(float(arg) if arg else 0.15)
-        if name == "epic":
-            return EpicPolicy(int(arg)) if arg else EpicPolicy()
-        if name == "cachetune":
-            tune = CacheTunePolicy(0.15 if arg in ("", "auto") else float(arg))
-            tune.auto = arg == "auto"
-            return tune
-        if name == "cachecraft":
-            if flag not in ("", "nostop"):
-                raise ValueError(f"unknown cachecraft option '{flag}' (only 'nostop')")
-            return CacheCraftPolicy(float(arg) if arg else 1.0, early_stop=flag != "nostop")
-    except ValueError as exc:
-        raise InvalidPromptError(f"bad argument in policy '{spec}': {exc}") from exc
-    raise InvalidPromptError(f"unknown policy '{spec}': use full, prefix, reuse, cacheblend[:ratio|auto], "
-                             "focus[:ratio], epic[:k], cachetune[:ratio|auto] or cachecraft[:alpha[:nostop]]")
+        parsed = parse_policy_spec(spec)
+    except PolicySpecError as exc:
+        raise InvalidPromptError(str(exc)) from None
+    value = parsed.value
+    if parsed.name == "full":
+        return FullPolicy()
+    if parsed.name == "prefix":
+        return PrefixPolicy()
+    if parsed.name == "reuse":
+        return ReusePolicy()
+    if parsed.name == "cacheblend":
+        blend = CacheBlendPolicy(float(value or 0.0), gradual=parsed.option)
+        blend.auto = parsed.auto
+        return blend
+    if parsed.name == "focus":
+        return FocusPolicy(float(value or 0.0))
+    if parsed.name == "epic":
+        return EpicPolicy(int(value or 0))
+    if parsed.name == "cachetune":
+        tune = CacheTunePolicy(float(value or 0.0))
+        tune.auto = parsed.auto
+        return tune
+    if parsed.name == "cachecraft":
+        return CacheCraftPolicy(float(value or 0.0), early_stop=not parsed.option)
+    # a registry entry without a class here is a bug, not a user error
+    raise NotImplementedError(f"policy '{parsed.name}' is in the registry but has no Policy class")

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, policy_help
 from ragcache_integrations.types import (
     Chunk,
     ChunkedPrompt,
@@ -104,8 +105,7 @@ class RequestSampling(SamplingParams):
 class GenerateRequest(_Body):
     prompt: ChunkedPrompt
     sampling: RequestSampling = Field(default_factory=RequestSampling)
-    policy: str = Field(default="cacheblend", max_length=64,
-                        description="full | prefix | reuse | cacheblend[:ratio] | focus[:ratio] | epic[:k] | cachetune[:ratio]")
+    policy: str = Field(default=DEFAULT_POLICY, max_length=64, description=f"Recompute policy: {policy_help()}")
     order: Order = "preserve"
     tenant: str | None = _tenant_field()
     stream: bool = False
@@ -215,7 +215,8 @@ class ChatCompletionRequest(_Body):
     n: int | None = Field(default=None, ge=1, le=1, description="Only 1 is supported")
     user: str | None = None
     chunks: list[Chunk] | None = Field(default=None, description="Extension: retrieved chunks [{id?, text}]")
-    policy: str = Field(default="cacheblend", max_length=64, description="Extension: recompute policy")
+    policy: str = Field(default=DEFAULT_POLICY, max_length=64,
+                        description=f"Extension: recompute policy, {policy_help()}")
     order: Order = "preserve"
     tenant: str | None = _tenant_field()
     conversation_id: str | None = Field(default=None, max_length=256)

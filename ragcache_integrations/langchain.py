@@ -2,7 +2,8 @@
 `ChunkCachedChatModel` (in `langchain_chat.py`) for chains that format their own prompt.
 
 The runnable takes the dict retrieval chains carry (`{"input" or "question": str, "context":
-[Document]}`) and answers with each Document sent as its own chunk (id from `Document.id`, else
+[Document]}`) and answers with each Document sent as its own chunk (id from the
+`metadata["ragcache_chunk_id"]` tag `ChunkTaggingRetriever` sets, else `Document.id`, else
 `metadata[id_key]`, else a hash of the text), so retrieved passages are reused across questions.
 
 - Without `prompt=`: the engine's own layout (system | chunks | question), which also supports
@@ -29,10 +30,12 @@ from langchain_core.runnables.config import run_in_executor
 from ragcache_integrations.backend import make_backend, stats_dict
 from ragcache_integrations.langchain_chat import ChunkCachedChatModel, to_chat_dicts
 from ragcache_integrations.langchain_observer import document_id
+from ragcache_integrations.langchain_retriever import ChunkOrderTransformer, ChunkTaggingRetriever
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, check_policy
 from ragcache_integrations.recovery import with_chunks
 from ragcache_integrations.types import Chunk, ChunkedPrompt, SamplingParams
 
-__all__ = ["ChunkCachedChatModel", "ChunkCachedRunnable"]
+__all__ = ["ChunkCachedChatModel", "ChunkCachedRunnable", "ChunkOrderTransformer", "ChunkTaggingRetriever"]
 
 DEFAULT_DOCUMENT_PROMPT = PromptTemplate.from_template("{page_content}")
 DEFAULT_DOCUMENT_SEPARATOR = "\n\n"
@@ -42,12 +45,13 @@ class ChunkCachedRunnable(Runnable[dict, str]):
     def __init__(self, *, engine: Any = None, base_url: str | None = None, api_key: str | None = None,
                  prompt: BasePromptTemplate | None = None, document_prompt: BasePromptTemplate | None = None,
                  document_separator: str = DEFAULT_DOCUMENT_SEPARATOR, document_variable_name: str = "context",
-                 system: str | None = None, policy: str = "cacheblend", order: str = "preserve", tenant: str = "",
+                 system: str | None = None, policy: str = DEFAULT_POLICY, order: str = "preserve", tenant: str = "",
                  conversation_id: str | None = None, max_tokens: int = 256, temperature: float = 0.0,
                  id_key: str = "id"):
         if prompt is not None and conversation_id is not None:
             raise ValueError("conversation_id works with the engine's own layout: leave out prompt= to use it "
                              "(with prompt=, put the history in your template)")
+        check_policy(policy)  # a typo fails here, naming the valid forms, not at the first request
         self.backend = make_backend(engine, base_url, api_key)
         self.prompt = prompt
         self.document_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT

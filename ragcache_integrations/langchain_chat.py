@@ -22,7 +22,7 @@ from langchain_core.language_models.chat_models import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from ragcache_integrations import langchain_observer
 from ragcache_integrations.backend import (
@@ -33,6 +33,7 @@ from ragcache_integrations.backend import (
     make_backend,
     stats_dict,
 )
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, check_policy, forms_text
 from ragcache_integrations.recovery import REGISTRY, Recovery, to_chunked_prompt
 from ragcache_integrations.types import ChunkedPrompt, GenerationResult, SamplingParams
 
@@ -80,7 +81,7 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
     model_name: str | None = Field(default=None, alias="model", description="Label only: the engine has one model")
-    policy: str = "cacheblend"
+    policy: str = Field(default=DEFAULT_POLICY, description=f"Recompute policy: {forms_text()}")
     order: Literal["preserve", "frequency"] = "preserve"
     tenant: str = ""
     conversation_id: str | None = Field(
@@ -95,6 +96,9 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
     recover_chunks: bool = Field(default=True, description="Look for retrieved documents in the messages")
     min_chunk_chars: int = Field(default=16, ge=1)
     id_key: str = Field(default="id", description="Document metadata key with a stable id (else Document.id)")
+
+    # a typo fails at construction, naming the valid forms, not at the first request
+    _policy = field_validator("policy")(classmethod(lambda cls, v: check_policy(v)))
 
     _backend: Backend = PrivateAttr()
     _last_stats: dict[str, Any] = PrivateAttr(default_factory=dict)

@@ -18,12 +18,23 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 
 from ragcache_integrations.recovery import REGISTRY, ChunkRegistry
+from ragcache_integrations.types import chunk_id_for
+
+# where `ChunkTaggingRetriever` writes each document's chunk id; read first by every adapter, so
+# the id the documents were ordered by is the id the engine caches them under
+CHUNK_ID_KEY = "ragcache_chunk_id"
 
 
 def document_id(doc: Document, id_key: str = "id") -> str | None:
-    """A document's stable id: `Document.id`, else `metadata[id_key]`, else None (content hash later)."""
-    value = getattr(doc, "id", None) or doc.metadata.get(id_key)
+    """A document's stable id: its `metadata["ragcache_chunk_id"]` tag, else `Document.id`, else
+    `metadata[id_key]`, else None (the content hash is applied later)."""
+    value = doc.metadata.get(CHUNK_ID_KEY) or getattr(doc, "id", None) or doc.metadata.get(id_key)
     return str(value) if value else None
+
+
+def stable_chunk_id(doc: Document, id_key: str = "id") -> str:
+    """`document_id`, else the content hash `Chunk` would give the text: never None."""
+    return document_id(doc, id_key) or chunk_id_for(doc.page_content)
 
 
 def remember(documents: Sequence[Document], registry: ChunkRegistry = REGISTRY, id_key: str = "id") -> None:

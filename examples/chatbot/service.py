@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from examples.chatbot.chat import SYSTEM, make_retriever
+from ragcache_integrations.policy_registry import DEFAULT_POLICY
 
 MAX_CONVERSATIONS = 1000  # per page process; the least recently used is forgotten first
 CONVERSATION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -30,7 +31,7 @@ _CALIBRATION_TEXT = " ".join(
 @dataclass(frozen=True)
 class ChatSettings:
     k: int = 3
-    policy: str = "cacheblend"
+    policy: str = DEFAULT_POLICY
     max_tokens: int = 64
     system: str = SYSTEM
 

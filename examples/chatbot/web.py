@@ -29,6 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse  # n
 from pydantic import BaseModel, Field  # noqa: E402
 
 from examples.chatbot.service import CONVERSATION_ID, ChatService, ChatSettings  # noqa: E402
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, forms_text, policy_arg  # noqa: E402
 
 PAGE = Path(__file__).with_name("static") / "index.html"
 
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ingest", action="store_true", help="do not ingest the default corpus when the "
                    "collection is empty")
     p.add_argument("--k", type=int, default=3, help="passages retrieved per question (default 3)")
-    p.add_argument("--policy", default="cacheblend", help="engine policy (default cacheblend)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, type=policy_arg, help=f"ragcache policy: {forms_text()} (default {DEFAULT_POLICY})")
     p.add_argument("--max-tokens", type=int, default=64, help="answer length limit (default 64)")
     return p
 

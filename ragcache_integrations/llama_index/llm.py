@@ -24,7 +24,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
@@ -37,6 +37,7 @@ from ragcache_integrations.backend import (
     stats_dict,
 )
 from ragcache_integrations.llama_index import observer
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, check_policy, forms_text
 from ragcache_integrations.recovery import REGISTRY, Recovery, normalize_messages, to_chunked_prompt
 from ragcache_integrations.types import ChunkedPrompt, GenerationResult, SamplingParams
 
@@ -59,7 +60,7 @@ class ChunkCachedLLM(LastCallMixin, LLM):
     `additional_kwargs["ragcache"]`), `.last_prompt` the ChunkedPrompt it sent (None when the
     call went out as a plain chat; `.last_stats["fallback_reason"]` says why)."""
 
-    policy: str = Field(default="cacheblend", description="full | prefix | reuse | cacheblend[:r] | focus[:r] | epic[:k]")
+    policy: str = Field(default=DEFAULT_POLICY, description=f"Recompute policy: {forms_text()}")
     order: Literal["preserve", "frequency"] = Field(default="preserve",
                                                     description="frequency: the engine sorts chunks by access count")
     tenant: str = Field(default="", description="Salts every cache key: tenants never share KV")
@@ -73,6 +74,9 @@ class ChunkCachedLLM(LastCallMixin, LLM):
     recover_chunks: bool = Field(default=True, description="Look for retrieved nodes in flattened prompts")
     min_chunk_chars: int = Field(default=16, ge=1, description="Shorter node texts are not matched")
     context_window: int | None = Field(default=None, description="Default: the model's context window")
+
+    # a typo fails at construction, naming the valid forms, not at the first request
+    _policy = field_validator("policy")(classmethod(lambda cls, v: check_policy(v)))
 
     _backend: Backend = PrivateAttr()
     _last_stats: dict[str, Any] = PrivateAttr(default_factory=dict)

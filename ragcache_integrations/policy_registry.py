@@ -1,0 +1,177 @@
+"""The recompute-policy grammar in one place: each policy's name, argument form and one-line summary.
+
+The engine's `parse_policy`, the CLI's `--policy` help, the HTTP API's validation and the
+adapters' field descriptions all read this table, so a policy added here is accepted, rejected
+and documented the same way everywhere. Standard library only: the adapters import it, and they
+must not pull torch.
+
+A spec is `name[:argument[:option]]`: `cacheblend`, `cacheblend:0.3`, `cacheblend:auto:gradual`,
+`epic:16`, `cachecraft:1:nostop`. An empty argument means the default (`cacheblend::gradual`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+ArgKind = Literal["ratio", "k", "alpha"]
+
+# what each argument kind accepts, said the same way in every error message
+_ARG_RULES: dict[str, str] = {
+    "ratio": "a number in [0, 1]",
+    "k": "a whole number >= 0",
+    "alpha": "a number >= 0",
+}
+
+
+class PolicySpecError(ValueError):
+    """A policy string that does not follow the grammar; the message lists the valid forms."""
+
+
+@dataclass(frozen=True)
+class PolicyEntry:
+    name: str
+    summary: str
+    arg: ArgKind | None = None
+    default: float | int | None = None
+    auto: bool = False  # 'auto' may stand in for the argument: the engine picks the ratio
+    option: str | None = None  # the one word allowed after the argument
+
+    @property
+    def form(self) -> str:
+        """The grammar of this entry, e.g. `cacheblend[:ratio|auto[:gradual]]`."""
+        if self.arg is None:
+            return self.name
+        arg = f"{self.arg}|auto" if self.auto else self.arg
+        option = f"[:{self.option}]" if self.option else ""
+        return f"{self.name}[:{arg}{option}]"
+
+    @property
+    def examples(self) -> tuple[str, ...]:
+        """One spec per accepted shape: the bare name, the default spelled out, `auto`, the option."""
+        specs = [self.name]
+        if self.arg is not None:
+            specs.append(f"{self.name}:{self.default}")
+        if self.auto:
+            specs.append(f"{self.name}:auto")
+        if self.option:
+            specs.append(f"{self.name}:{self.default}:{self.option}")
+        return tuple(specs)
+
+
+POLICIES: tuple[PolicyEntry, ...] = (
+    PolicyEntry("full", "the whole prompt computed, no reuse (the baseline: token for token a plain LLM)"),
+    PolicyEntry("prefix", "exact prefix reuse only (template, conversation, CP-Tree chunk prefix), the rest "
+                "computed"),
+    PolicyEntry("reuse", "every cached chunk reused as is at its new position, nothing recomputed"),
+    PolicyEntry("cacheblend", "CacheBlend: the top-ratio tokens by KV deviation at the check layer recomputed "
+                "(default 0.15; auto: from the engine's measured load and compute costs; gradual: 3r, 2r, r "
+                "over three layers)", arg="ratio", default=0.15, auto=True, option="gradual"),
+    PolicyEntry("focus", "the top-ratio fused tokens by the question's attention recomputed (default 0.15)",
+                arg="ratio", default=0.15),
+    PolicyEntry("epic", "EPIC: the first k tokens of each fused chunk recomputed (default 16)", arg="k", default=16),
+    PolicyEntry("cachetune", "CacheTune: the top-ratio tokens of each chunk by low-frequency K/V energy recomputed "
+                "from layer 0 (default 0.15; auto as for cacheblend)", arg="ratio", default=0.15, auto=True),
+    PolicyEntry("cachecraft", "Cache-Craft: chunk variants, recompute share alpha x CCI x (1 - beta') (default "
+                "alpha 1; nostop: no focused-chunk early termination)", arg="alpha", default=1.0,
+                option="nostop"),
+)
+
+BY_NAME: dict[str, PolicyEntry] = {p.name: p for p in POLICIES}
+NAMES: tuple[str, ...] = tuple(BY_NAME)
+DEFAULT_POLICY = "cacheblend"
+
+
+def forms() -> list[str]:
+    return [p.form for p in POLICIES]
+
+
+def forms_text(sep: str = " | ") -> str:
+    """`full | prefix | ... | cachecraft[:alpha[:nostop]]`: the whole grammar on one line."""
+    return sep.join(forms())
+
+
+def valid_policies_text() -> str:
+    """The valid forms as a sentence ending of an error message: 'full, prefix, ... or cachecraft[...]'."""
+    *head, last = forms()
+    return f"{', '.join(head)} or {last}"
+
+
+def policy_help() -> str:
+    """For `--policy` help and field descriptions: the grammar, then what each policy does."""
+    lines = "; ".join(f"{p.name} = {p.summary}" for p in POLICIES)
+    return f"{forms_text()} (default {DEFAULT_POLICY}). {lines}"
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A checked policy string. `value` is the argument with the default filled in."""
+
+    name: str
+    value: float | int | None = None
+    auto: bool = False
+    option: bool = False
+
+
+def _value(entry: PolicyEntry, text: str, spec: str) -> float | int:
+    assert entry.arg is not None and entry.default is not None
+    bad = PolicySpecError(f"bad argument in policy '{spec}': {entry.arg} must be {_ARG_RULES[entry.arg]}, "
+                          f"got '{text}' (form: {entry.form})")
+    try:
+        value: float | int = int(text) if entry.arg == "k" else float(text)
+    except ValueError:
+        raise bad from None
+    if not math.isfinite(value) or value < 0 or (entry.arg == "ratio" and value > 1):
+        raise bad
+    return value
+
+
+def parse_policy_spec(spec: str) -> PolicySpec:
+    """Check a policy string against the grammar; raise `PolicySpecError` naming the valid forms."""
+    name, *parts = spec.split(":")
+    entry = BY_NAME.get(name)
+    if entry is None:
+        raise PolicySpecError(f"unknown policy '{spec}': use {valid_policies_text()}")
+    arg = parts[0] if parts else ""
+    option = parts[1] if len(parts) > 1 else ""
+    if parts and entry.arg is None:
+        raise PolicySpecError(f"bad argument in policy '{spec}': {name} takes no argument (form: {entry.form})")
+    if len(parts) > 2 or (option and option != entry.option):
+        extra = ":".join(parts[1:])
+        allowed = f"only '{entry.option}'" if entry.option else "none"
+        raise PolicySpecError(f"bad argument in policy '{spec}': unknown {name} option '{extra}' "
+                              f"({allowed}; form: {entry.form})")
+    if entry.arg is None:
+        return PolicySpec(name)
+    auto = entry.auto and arg == "auto"
+    value = entry.default if arg == "" or auto else _value(entry, arg, spec)
+    return PolicySpec(name, value, auto, bool(option))
+
+
+def check_policy(spec: str) -> str:
+    """The spec unchanged when it is valid (for pydantic validators and argparse `type=`)."""
+    parse_policy_spec(spec)
+    return spec
+
+
+def policy_arg(text: str) -> str:
+    """argparse `type=`: a bad `--policy` becomes one usage line naming the valid forms."""
+    try:
+        return check_policy(text)
+    except PolicySpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def policy_list_arg(text: str) -> str:
+    """argparse `type=` for a comma list of policies (`full,reuse,cacheblend:0.15`), kept as given."""
+    for spec in text.split(","):
+        if spec.strip():
+            policy_arg(spec.strip())
+    return text
+
+
+__all__ = ["BY_NAME", "DEFAULT_POLICY", "NAMES", "POLICIES", "PolicyEntry", "PolicySpec", "PolicySpecError",
+           "check_policy", "forms", "forms_text", "parse_policy_spec", "policy_arg", "policy_help", "policy_list_arg",
+           "valid_policies_text"]
