@@ -216,3 +216,33 @@ def test_chunk_store_budget_counts_node_and_in_context_entry_once():
     store.put(key("third"), make_entry(4, 3, "c3"))
     assert store.ram.bytes_used == 3 * one
     assert all(store.contains(key(k)) for k in ("node", "ctx", "other", "third"))
+
+
+def test_a_removed_entry_never_comes_back_from_a_queued_or_running_write(tmp_path):
+    """Regression: `remove` deleted the file but not the write still queued (or under way) for
+    it, so the writer put a removed entry back on disk (a Cache-Craft variant the engine had
+    evicted, or a chunk removed right after it was computed)."""
+    import threading
+
+    from engine_sidecar.store.disk import DiskTier
+
+    tier = DiskTier(tmp_path)
+    started, release = threading.Event(), threading.Event()
+    real_write = tier._write
+
+    def slow_write(digest: str, entry: ChunkKV) -> None:
+        started.set()
+        release.wait(30)
+        real_write(digest, entry)
+
+    tier._write = slow_write  # type: ignore[method-assign]
+    tier.put("aa01", make_entry(2, 1))
+    assert started.wait(30)  # "aa01" is being written, "bb02" waits in the queue behind it
+    tier.put("bb02", make_entry(2, 2))
+    assert tier.remove("aa01") and tier.remove("bb02")
+    release.set()
+    assert tier.flush(30)
+    assert "aa01" not in tier and "bb02" not in tier and tier.bytes_used == 0
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    tier.put("aa01", make_entry(2, 1))  # written again later: kept as usual
+    assert tier.flush(30) and "aa01" in tier

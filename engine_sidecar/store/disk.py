@@ -231,6 +231,8 @@ class DiskTier:
         self._pending: deque[tuple[str, ChunkKV, int]] = deque()
         self._pending_bytes = 0
         self._in_flight = 0  # queued + being written
+        self._writing: str | None = None  # the digest the writer is writing now
+        self._cancelled: set[str] = set()  # removed while being written: deleted once written
         self._writer: threading.Thread | None = None
         # told (outside the tier's lock) which digests the tier itself let go of: evicted, found
         # damaged or missing; the chunk store prunes its chunk-id index with it
@@ -400,12 +402,19 @@ class DiskTier:
                     self._cond.wait()
                 digest, entry, size = self._pending.popleft()
                 self._pending_bytes -= size
+                self._writing = digest
             try:
                 self._write(digest, entry)
             except Exception as exc:  # noqa: BLE001 - any failure drops this entry, never the writer
                 log.warning("could not write chunk cache file %s (kept in RAM only): %r", digest, exc)
                 self._note_failure("write_failures", f"{digest}: {exc!r}")
             finally:
+                with self._cond:
+                    self._writing = None
+                    cancelled = digest in self._cancelled
+                    self._cancelled.discard(digest)
+                if cancelled:  # removed while it was being written: it must not come back
+                    self._delete_file(digest)
                 with self._cond:
                     self._in_flight -= 1
                     self._cond.notify_all()
@@ -529,6 +538,22 @@ class DiskTier:
 
     # --- deletes ---------------------------------------------------------------------------------
     def remove(self, digest: str) -> bool:
+        """Remove the file and any write of it still queued or under way (a queued write would
+        otherwise put a removed entry back on disk after the remove)."""
+        with self._cond:
+            kept = deque(item for item in self._pending if item[0] != digest)
+            queued = len(self._pending) - len(kept)
+            if queued:
+                self._pending = kept
+                self._pending_bytes = sum(size for _, _, size in kept)
+                self._in_flight -= queued
+                self._cond.notify_all()
+            writing = self._writing == digest
+            if writing:
+                self._cancelled.add(digest)
+        return self._delete_file(digest) or bool(queued) or writing
+
+    def _delete_file(self, digest: str) -> bool:
         existed = self._drop(digest) is not None
         try:
             self.path_for(digest).unlink(missing_ok=True)
