@@ -9,60 +9,11 @@ import os
 import sys
 from pathlib import Path
 
+from engine_sidecar.engine_args import add_engine_arguments, engine_from_args
 from engine_sidecar.errors import RagCacheError
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, policy_arg, policy_help, policy_list_arg
 
 POLICY_HELP = policy_help()
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
-                   help="'default' (SmolLM2-135M-Instruct, prepared on first use) or a local HF model folder")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--cache-dir", type=Path, default=None, help="disk tier folder (default: $RAGCACHE_HOME/kv)")
-    p.add_argument("--no-disk", action="store_true", help="keep chunk KV in RAM only")
-    p.add_argument("--ram-cache-gb", type=float, default=2.0, help="RAM tier capacity in GB (default 2)")
-    p.add_argument("--disk-cache-gb", type=_non_negative, default=20.0,
-                   help="disk tier budget in GiB, least recently used files removed first (default 20; 0 = unlimited)")
-    p.add_argument("--convention", choices=["isolated", "after-prefix"], default="isolated",
-                   help="how `warm` and --precompute inline/background compute a chunk's KV: alone at position 0, "
-                        "or right after the system prefix")
-    p.add_argument("--precompute", choices=["in-place", "inline", "background"], default="in-place",
-                   help="in-place (default): a missed chunk is computed inside the request, as full prefill "
-                        "would, and its KV kept for later requests; inline: computed alone first, then fused "
-                        "(a miss costs twice); background: computed alone by a worker after the request")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--no-prefetch", action="store_true",
-                   help="read disk-tier chunk KV whole before the prefill instead of layer by layer during it")
-    p.add_argument("--no-prefix-tree", action="store_true",
-                   help="turn off CP-Tree exact chunk-prefix reuse (fusion only)")
-    p.add_argument("--conversations", type=int, default=64,
-                   help="conversations whose KV is kept for their next turn, least recently used out first "
-                        "(default 64; 0 keeps none)")
-    p.add_argument("--conversation-ram-gb", type=float, default=0.5,
-                   help="RAM for all kept conversations' KV together, apart from --ram-cache-gb (default 0.5)")
-
-
-def engine_from_args(args: argparse.Namespace):
-    from engine_sidecar.engine import Engine
-
-    return Engine.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, disk=not args.no_disk,
-        ram_cache_bytes=int(args.ram_cache_gb * (1 << 30)), convention=args.convention,
-        disk_cache_bytes=int(getattr(args, "disk_cache_gb", 20.0) * (1 << 30)),
-        precompute=args.precompute, threads=args.threads, prefix_tree=not getattr(args, "no_prefix_tree", False),
-        prefetch=not getattr(args, "no_prefetch", False),
-        conversation_max_count=getattr(args, "conversations", 64),
-        conversation_ram_bytes=int(getattr(args, "conversation_ram_gb", 0.5) * (1 << 30)),
-    )
 
 
 def cmd_model_prepare(args: argparse.Namespace) -> int:
@@ -135,8 +86,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise SystemExit("ragcache calibrate: --repeats, --n and --k must be at least 1, --max-evals at least 2")
     records = None
     if args.data is not None:
-        from engine_sidecar.bench.datasets import load_dataset
-        from engine_sidecar.bench.fidelity import chunk_texts
+        from engine_sidecar.bench.datasets import chunk_texts, load_dataset
 
         records = load_dataset(args.data)[: args.n]
         args.no_prefix_tree = True  # repeated prompts must not turn into exact prefix hits
@@ -234,19 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--explain", action="store_true", help="print the fusion plan and all stats")
-    _engine_args(gen)
+    add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     warm = sub.add_parser("warm", help="precompute chunk KV into the cache")
     warm.add_argument("chunk_file", nargs="+", help="files, one chunk each")
-    _engine_args(warm)
+    add_engine_arguments(warm)
     warm.set_defaults(func=cmd_warm)
 
     cache = sub.add_parser("cache", help="manage the chunk cache").add_subparsers(
         dest="cache_command", metavar="ACTION", required=True)
     clear = cache.add_parser("clear", help="delete cached chunk KV (all, or one chunk id)")
     clear.add_argument("--chunk-id", default=None)
-    _engine_args(clear)
+    add_engine_arguments(clear)
     clear.set_defaults(func=cmd_cache_clear)
 
     serve = sub.add_parser("serve", help="run the sidecar HTTP service (native + OpenAI-compatible API)",
@@ -255,14 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     from engine_sidecar.server.serve import add_serve_arguments  # argparse only: no fastapi import
 
     add_serve_arguments(serve)
-    _engine_args(serve)
+    add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="the main job: a scripted RAG run showing answers and what reuse saved")
     demo.add_argument("--data", type=Path, default=None, help="QA file (default: the bundled sample)")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--policy", default=DEFAULT_POLICY, type=policy_arg, help=POLICY_HELP)
-    _engine_args(demo)
+    add_engine_arguments(demo)
     demo.set_defaults(func=cmd_demo)
 
     cal = sub.add_parser("calibrate", help="measure per-token compute and load costs, print the adaptive "
@@ -279,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--penalty", type=float, default=0.5, help="utility = quality - penalty x TTFT/full (default 0.5)")
     cal.add_argument("--max-evals", type=int, default=8, help="ratios tried by the search (default 8)")
     cal.add_argument("--max-tokens", type=int, default=16, help="answer length while calibrating (default 16)")
-    _engine_args(cal)
+    add_engine_arguments(cal)
     cal.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", metavar="NAME",
@@ -304,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where the reused chunk KV comes from: precomputed by `warm` (per --convention), or "
                           "computed in place by an earlier request holding the same chunks in another order "
                           "(last chunk first), as misses are on a live stream")
-    _engine_args(fid)
+    add_engine_arguments(fid)
     fid.set_defaults(func=cmd_bench_fidelity)
 
     pf = bench.add_parser("prefetch", help="TTFT with a cold disk tier: layer-wise prefetch vs loading before the "
@@ -318,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--repeats", type=int, default=3, help="cold requests per question and mode (default 3)")
     pf.add_argument("--policy", default=DEFAULT_POLICY, type=policy_arg, help=POLICY_HELP)
     pf.add_argument("--json", type=Path, default=None, help="write results JSON (and a .md table) here")
-    _engine_args(pf)
+    add_engine_arguments(pf)
     pf.set_defaults(func=cmd_bench_prefetch)
 
     wl = bench.add_parser("workload", help="a RAG request stream replayed against ragcache systems and vLLM",

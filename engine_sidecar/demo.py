@@ -17,7 +17,7 @@ BUNDLED = Path(__file__).resolve().parent.parent / "examples" / "data" / "demo.j
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from engine_sidecar.cli import engine_from_args
+    from engine_sidecar.engine_args import engine_from_args
 
     console = Console()
     data = json.loads((args.data or BUNDLED).read_text(encoding="utf-8"))

@@ -60,12 +60,25 @@ def fanoutqa_records(path: Path | None = None, min_siblings: int = 3) -> list[di
     return records
 
 
+def load_records(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not isinstance(data, list) or not all(isinstance(r, dict) and "question" in r and "ctxs" in r for r in data):
+        raise InvalidPromptError(f"{path}: expected records with 'question', 'answers' and 'ctxs'")
+    return data
+
+
+def chunk_texts(record: dict[str, Any], k: int) -> list[str]:
+    return [f"{c.get('title', '')}\n{c['text']}".strip() for c in record["ctxs"][:k]]
+
+
 def load_dataset(spec: str | Path) -> list[dict[str, Any]]:
     """A file path (musique_s.json format, JSON or JSONL), or `fanoutqa`."""
     if str(spec) == "fanoutqa":
         return fanoutqa_records()
-    from engine_sidecar.bench.fidelity import load_records
-
     path = Path(spec)
     if not path.is_file():
         raise InvalidPromptError(f"{path}: no such file (give a musique_s.json-format file, or 'fanoutqa')")

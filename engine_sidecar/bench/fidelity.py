@@ -9,7 +9,6 @@ engine's `full` is an honest baseline.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -18,25 +17,11 @@ from typing import Any
 from rich.console import Console
 from rich.progress import track
 
+from engine_sidecar.bench.datasets import chunk_texts
 from engine_sidecar.bench.metrics import bootstrap_ci, exact_match, rouge_l, token_f1
 from engine_sidecar.bench.report import write_report
 from engine_sidecar.errors import InvalidPromptError
 from ragcache_integrations.types import ChunkedPrompt, SamplingParams
-
-
-def load_records(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        data = [json.loads(line) for line in text.splitlines() if line.strip()]
-    if not isinstance(data, list) or not all(isinstance(r, dict) and "question" in r and "ctxs" in r for r in data):
-        raise InvalidPromptError(f"{path}: expected records with 'question', 'answers' and 'ctxs'")
-    return data
-
-
-def chunk_texts(record: dict[str, Any], k: int) -> list[str]:
-    return [f"{c.get('title', '')}\n{c['text']}".strip() for c in record["ctxs"][:k]]
 
 
 def _transformers_prefill_s(model, token_ids: list[int]) -> float:
@@ -75,7 +60,7 @@ def prepare_chunks(engine: Any, record: dict[str, Any], k: int, policies: list[s
 
 def run_fidelity(args: argparse.Namespace) -> int:
     from engine_sidecar.bench.datasets import load_dataset
-    from engine_sidecar.cli import engine_from_args
+    from engine_sidecar.engine_args import engine_from_args
 
     console = Console()
     records = load_dataset(args.data)[: args.n]

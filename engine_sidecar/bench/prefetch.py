@@ -40,9 +40,8 @@ def evict_page_cache(directory: Path) -> int:
 def run_prefetch(args: argparse.Namespace) -> int:
     import tempfile
 
-    from engine_sidecar.bench.datasets import load_dataset
-    from engine_sidecar.bench.fidelity import chunk_texts
-    from engine_sidecar.cli import engine_from_args
+    from engine_sidecar.bench.datasets import chunk_texts, load_dataset
+    from engine_sidecar.engine_args import engine_from_args
 
     if args.n < 1 or args.k < 1 or args.repeats < 1:
         raise SystemExit("ragcache bench prefetch: --n, --k and --repeats must be at least 1")

@@ -1,0 +1,61 @@
+"""The engine flags every engine-running command shares, and the Engine they build.
+
+Kept below both `cli.py` and `bench/*` (and `demo.py`), which import it; the CLI imports the
+benchmarks, so the benchmarks must not import the CLI. argparse only: the engine (torch) is
+imported when `engine_from_args` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct, prepared on first use) or a local HF model folder")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="disk tier folder (default: $RAGCACHE_HOME/kv)")
+    p.add_argument("--no-disk", action="store_true", help="keep chunk KV in RAM only")
+    p.add_argument("--ram-cache-gb", type=float, default=2.0, help="RAM tier capacity in GB (default 2)")
+    p.add_argument("--disk-cache-gb", type=non_negative, default=20.0,
+                   help="disk tier budget in GiB, least recently used files removed first (default 20; 0 = unlimited)")
+    p.add_argument("--convention", choices=["isolated", "after-prefix"], default="isolated",
+                   help="how `warm` and --precompute inline/background compute a chunk's KV: alone at position 0, "
+                        "or right after the system prefix")
+    p.add_argument("--precompute", choices=["in-place", "inline", "background"], default="in-place",
+                   help="in-place (default): a missed chunk is computed inside the request, as full prefill "
+                        "would, and its KV kept for later requests; inline: computed alone first, then fused "
+                        "(a miss costs twice); background: computed alone by a worker after the request")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="read disk-tier chunk KV whole before the prefill instead of layer by layer during it")
+    p.add_argument("--no-prefix-tree", action="store_true",
+                   help="turn off CP-Tree exact chunk-prefix reuse (fusion only)")
+    p.add_argument("--conversations", type=int, default=64,
+                   help="conversations whose KV is kept for their next turn, least recently used out first "
+                        "(default 64; 0 keeps none)")
+    p.add_argument("--conversation-ram-gb", type=float, default=0.5,
+                   help="RAM for all kept conversations' KV together, apart from --ram-cache-gb (default 0.5)")
+
+
+def engine_from_args(args: argparse.Namespace):
+    from engine_sidecar.engine import Engine
+
+    return Engine.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, disk=not args.no_disk,
+        ram_cache_bytes=int(args.ram_cache_gb * (1 << 30)), convention=args.convention,
+        disk_cache_bytes=int(getattr(args, "disk_cache_gb", 20.0) * (1 << 30)),
+        precompute=args.precompute, threads=args.threads, prefix_tree=not getattr(args, "no_prefix_tree", False),
+        prefetch=not getattr(args, "no_prefetch", False),
+        conversation_max_count=getattr(args, "conversations", 64),
+        conversation_ram_bytes=int(getattr(args, "conversation_ram_gb", 0.5) * (1 << 30)),
+    )

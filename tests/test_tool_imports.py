@@ -1,0 +1,73 @@
+"""The tools layer imports only downward: `cli.py` wires commands and imports the benchmarks and the
+demo, so nothing imports the CLI back (the shared engine flags live in `engine_args.py`), and the
+benchmark modules form no cycle among themselves. Imports inside functions count too: a lazy
+import is still a dependency."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "engine_sidecar"
+
+
+def module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """First-party modules `path` imports anywhere in its body (a `from m import name` that names a
+    submodule counts as that submodule)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    found.discard(module_name(path))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: imports_of(path, set(files)) for name, path in files.items()}
+
+
+def test_nothing_imports_the_cli():
+    importers = sorted(name for name, deps in graph().items() if "engine_sidecar.cli" in deps)
+    assert importers == [], f"{importers} import engine_sidecar.cli: import engine_sidecar.engine_args instead"
+
+
+def test_tools_modules_form_no_cycle():
+    edges = graph()
+    tools = {n for n in edges if n.startswith("engine_sidecar.bench") or n in (
+        "engine_sidecar.cli", "engine_sidecar.demo", "engine_sidecar.engine_args")}
+
+    def reach(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for dep in edges[todo.pop()] & tools:
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        return seen
+
+    cycles = sorted(n for n in tools if n in reach(n))
+    assert cycles == [], f"import cycle through {cycles}"
+
+
+def test_engine_args_stays_light():
+    """The module every tool imports pulls in neither the engine nor the server at import time."""
+    tree = ast.parse((PACKAGE / "engine_args.py").read_text(encoding="utf-8"))
+    top_level = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    top_level |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+    assert top_level <= {"__future__", "argparse", "pathlib"}, top_level
