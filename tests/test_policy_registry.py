@@ -4,6 +4,7 @@ registry's policies."""
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.policies import Policy, parse_policy
 from engine_sidecar.server import ServerSettings, create_app
 from ragcache_integrations.policy_registry import (
+    BY_NAME,
     NAMES,
     POLICIES,
     PolicySpecError,
@@ -57,6 +59,23 @@ def test_parsed_arguments_reach_the_policy_objects():
     assert tune.auto and tune.ratio == 0.15
     craft = parse_policy("cachecraft:0.5:nostop")
     assert craft.alpha == 0.5 and not craft.early_stop and parse_policy("cachecraft").early_stop
+
+
+def test_registry_defaults_are_the_policy_classes_defaults():
+    """A bare name and a Policy built without arguments must be the same policy."""
+    from engine_sidecar.policies import (
+        CacheBlendPolicy,
+        CacheCraftPolicy,
+        CacheTunePolicy,
+        EpicPolicy,
+        FocusPolicy,
+    )
+
+    classes = {"cacheblend": (CacheBlendPolicy, "ratio"), "focus": (FocusPolicy, "ratio"), "epic": (EpicPolicy, "k"),
+               "cachetune": (CacheTunePolicy, "ratio"), "cachecraft": (CacheCraftPolicy, "alpha")}
+    assert set(classes) == {e.name for e in POLICIES if e.arg is not None}
+    for name, (cls, param) in classes.items():
+        assert inspect.signature(cls).parameters[param].default == BY_NAME[name].default, name
 
 
 @pytest.mark.parametrize("spec", BAD_SPECS)
