@@ -500,8 +500,9 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--clients", type=int, default=8, help="concurrent clients (one thread and connection each)")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--minutes", type=float, default=None, help="how long to drive load (default 10)")
-    length.add_argument("--seconds", type=float, default=None, help="the same in seconds (for short runs)")
+    length.add_argument("--minutes", type=float, default=argparse.SUPPRESS,
+                        help="how long to drive load (10 unless --seconds)")
+    length.add_argument("--seconds", type=float, default=argparse.SUPPRESS, help="the same in seconds (for short runs)")
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF model folder")
     p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="musique_s.json-format records (JSON or JSONL)")
     p.add_argument("--k", type=int, default=3, help="passages per request (a record's first k)")
@@ -566,8 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if passed(report) else 1
     if args.clients < 1:
         parser().error("--clients must be >= 1")
-    args.seconds = args.seconds if args.seconds is not None else 60.0 * (args.minutes if args.minutes is not None
-                                                                        else 10.0)
+    if getattr(args, "seconds", None) is None:
+        args.seconds = 60.0 * getattr(args, "minutes", 10.0)
     args.minutes = args.seconds / 60.0
     report = run(args)
     print(table(report))
