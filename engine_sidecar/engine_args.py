@@ -18,6 +18,16 @@ def non_negative(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct, prepared on first use) or a local HF model folder")
@@ -45,6 +55,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 64; 0 keeps none)")
     p.add_argument("--conversation-ram-gb", type=float, default=0.5,
                    help="RAM for all kept conversations' KV together, apart from --ram-cache-gb (default 0.5)")
+    p.add_argument("--max-batch", type=positive_int, default=16,
+                   help="requests decoded together in one batched step (default 16; 1 serves one at a time)")
+    p.add_argument("--batch-kv-gb", type=non_negative, default=4.0,
+                   help="KV of the running requests together, prompt + max_tokens each; a request that does "
+                        "not fit waits (one always runs) (default 4)")
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -58,4 +73,6 @@ def engine_from_args(args: argparse.Namespace):
         prefetch=not getattr(args, "no_prefetch", False),
         conversation_max_count=getattr(args, "conversations", 64),
         conversation_ram_bytes=int(getattr(args, "conversation_ram_gb", 0.5) * (1 << 30)),
+        max_batch=getattr(args, "max_batch", 16),
+        batch_kv_bytes=int(getattr(args, "batch_kv_gb", 4.0) * (1 << 30)),
     )

