@@ -56,6 +56,23 @@ class PlannedRequest:
         return AttentionRecorder(self.craft) if self.craft else None
 
 
+def edge_digests(segments: list[Segment]) -> list[str]:
+    """CP-Tree edge names, one per chunk: the chunk together with the text between it and the
+    previous chunk (verbatim layout), so the same chunks with other text between them are
+    another path. The two are digested apart: separator [a] + chunk [b] must not name chunk
+    [a, b]."""
+    digests: list[str] = []
+    between: list[int] = []
+    for seg in segments:
+        if seg.kind == "chunk":
+            digests.append(chain_digest(token_ids_digest(between), segment_digest(seg)) if between
+                           else segment_digest(seg))
+            between = []
+        else:
+            between.extend(seg.token_ids)
+    return digests
+
+
 class Planner:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -152,17 +169,7 @@ class Planner:
         out.chunk_ids = [s.chunk_id or "" for s in chunk_segs]
         digests = [segment_digest(s) for s in chunk_segs]
         out.chunk_digests = digests
-        # CP-Tree edges name a chunk together with the text between it and the previous chunk
-        # (verbatim layout): the same chunks with other text between them are another path
-        tree_digests: list[str] = []
-        between: list[int] = []
-        for seg in segments:
-            if seg.kind == "chunk":
-                tree_digests.append(token_ids_digest(between + list(seg.token_ids)) if between
-                                    else segment_digest(seg))
-                between = []
-            else:
-                between.extend(seg.token_ids)
+        tree_digests = edge_digests(segments)
         path: list[CPNode] = []
         parent: CPNode | None = None
         if tree_root is not None:

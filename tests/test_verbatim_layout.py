@@ -120,3 +120,15 @@ def test_exact_chunk_paths_include_the_text_between_chunks(tiny_llama_dir, tmp_p
                  {"role": "user", "content": f"Context:\n---\n{A}\n\nAND ALSO\n\n{B}\n---\nQuery: Which?\nAnswer: "}]
         stats = engine.generate(verbatim(other), {"max_tokens": 1}, policy="prefix").stats
         assert [s["mode"] for s in stats.plan if s["kind"] == "chunk"] == ["exact", "fresh"]
+
+
+def test_edge_names_keep_separator_and_chunk_apart():
+    """A separator [5] before chunk [7] is another edge than chunk [5, 7] with nothing between:
+    their stored KV has different lengths."""
+    from engine_sidecar.planner import edge_digests
+    from engine_sidecar.prompt import Segment
+
+    with_separator = edge_digests([Segment("prefix", (1,)), Segment("separator", (5,)), Segment("chunk", (7,), "b")])
+    joined = edge_digests([Segment("prefix", (1,)), Segment("chunk", (5, 7), "b")])
+    plain = edge_digests([Segment("prefix", (1,)), Segment("chunk", (7,), "b")])
+    assert len({with_separator[0], joined[0], plain[0]}) == 3
