@@ -13,9 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -30,9 +28,11 @@ from engine_sidecar.cachecraft import (
 )
 from engine_sidecar.conversation import Conversation, ConversationStore
 from engine_sidecar.cptree import CPTree
+from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.errors import PromptTooLongError
 from engine_sidecar.executor import KVBuffer, PrefillResult, decode_step, fused_prefill
-from engine_sidecar.fingerprint import model_fingerprint, token_ids_digest, tokenizer_fingerprint
+from engine_sidecar.fingerprint import model_fingerprint, tokenizer_fingerprint
+from engine_sidecar.keys import KeyFactory
 from engine_sidecar.model.prepare import resolve_model_dir
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.paths import default_cache_dir
@@ -56,40 +56,7 @@ from ragcache_integrations.types import (
 )
 
 log = logging.getLogger("ragcache.engine")
-Convention = Literal["isolated", "after-prefix"]
-# in-place: a missed chunk is computed inside the request (as full prefill would) and its KV kept
-# afterwards; inline: computed alone first, then fused (a miss costs twice); background: the
-# request computes it fresh and a worker computes it alone afterwards
-Precompute = Literal["in-place", "inline", "background"]
 DEFAULT_SYSTEM = ChunkedPrompt.model_fields["system"].default
-
-
-@dataclass
-class EngineConfig:
-    model: str = "default"
-    device: str = "auto"
-    dtype: str = "auto"
-    cache_dir: Path | None = None  # None -> $RAGCACHE_HOME/kv; disk tier off with disk=False
-    disk: bool = True
-    ram_cache_bytes: int = 2 << 30
-    disk_cache_bytes: int = 20 << 30  # disk tier budget, least recently used files out first; 0 = unlimited
-    convention: Convention = "isolated"
-    precompute: Precompute = "in-place"
-    threads: int | None = None
-    ca_window: int = 1000  # CA-Table sliding window, in requests
-    prefix_tree: bool = True  # CP-Tree exact chunk-prefix reuse
-    promote_threshold: int = 2  # CA-Table count every chunk of a path needs before it is stored
-    fusion_promote_threshold: int = 4  # the same when storing costs a full compute (fusion policies)
-    conversation_dedup: bool = True  # drop chunks a conversation already holds from its next turn
-    conversation_ttl_s: float = 900.0
-    conversation_max_tokens: int = 6144
-    conversation_max_count: int = 64  # kept conversations (least recently used out first)
-    conversation_ram_bytes: int = 512 << 20  # all kept histories' KV together (apart from ram_cache_bytes)
-    cachecraft_variants_per_chunk: int = 4  # Cache-Craft's M
-    cachecraft_max_chunks: int = 1024  # Cache-Craft's N: N * M variants in all
-    prefetch: bool = True  # read disk-tier chunk KV layer by layer while earlier layers compute
-    max_batch: int = 16  # sequences decoded together in one batched step
-    batch_kv_bytes: int = 4 << 30  # KV of the running sequences together (prompt + max_tokens each)
 
 
 class GenerationStream:
@@ -134,6 +101,7 @@ class Engine:
         self.model_dir = model_dir
         self.model_fp = model_fingerprint(model_dir, runner.dtype)
         self.tokenizer_fp = tokenizer_fingerprint(model_dir, builder.chat_template)
+        self.keys = KeyFactory(self.model_fp, self.tokenizer_fp, config.convention)
         self._lock = threading.RLock()
         self._background: queue.Queue[tuple[Segment, Segment, str] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
@@ -179,32 +147,21 @@ class Engine:
                 ids.add(tid)
         return ids
 
-    def _key(self, token_ids: tuple[int, ...], tenant: str, context: str) -> CacheKey:
-        return self._key_digest(token_ids_digest(list(token_ids)), tenant, context)
-
-    def _key_digest(self, tokens_digest: str, tenant: str, context: str) -> CacheKey:
-        return CacheKey(self.model_fp, self.tokenizer_fp, tokens_digest, tenant, context)
-
-    def _chunk_context(self, prefix: Segment) -> str:
-        if self.config.convention == "after-prefix":
-            return "after:" + token_ids_digest(list(prefix.token_ids))
-        return "isolated"
-
     @property
     def max_context(self) -> int:
         return self.runner.config.max_position_embeddings
 
     # --- precompute --------------------------------------------------------------------------
-    def _compute_chunk_kv(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> ChunkKV:
-        return self._precompute_chunk(chunk_seg, prefix, tenant)[0]
+    def compute_chunk_kv(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> ChunkKV:
+        return self.precompute_chunk(chunk_seg, prefix, tenant)[0]
 
-    def _precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
+    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
         """A chunk's KV computed alone (after the prefix under the after-prefix convention), and
         the token-layers that cost."""
         spans: list[PlanSpan] = []
         start = 0
         if self.config.convention == "after-prefix":
-            cached = self.store.get(self._key(prefix.token_ids, tenant, "exact"))
+            cached = self.store.get(self.keys.for_tokens(prefix.token_ids, tenant, "exact"))
             spans.append(PlanSpan("prefix", 0, prefix.token_ids, "exact" if cached else "fresh", cached))
             start = len(prefix.token_ids)
         spans.append(PlanSpan("chunk", start, chunk_seg.token_ids, "fresh", chunk_id=chunk_seg.chunk_id))
@@ -220,7 +177,7 @@ class Engine:
                     meta: dict[str, str] | None = None, key: CacheKey | None = None) -> ChunkKV:
         entry = ChunkKV(kv.keys_pre[:, span.start : span.end].clone(), kv.values[:, span.start : span.end].clone(),
                         torch.tensor(span.token_ids, dtype=torch.long), span.chunk_id, tenant, dict(meta or {}))
-        self.store.put(key or self._key(span.token_ids, tenant, context), entry)
+        self.store.put(key or self.keys.for_tokens(span.token_ids, tenant, context), entry)
         return entry
 
     def _check_chunk_fits(self, seg: Segment, index: int | None = None) -> None:
@@ -243,11 +200,11 @@ class Engine:
         return computed
 
     def _warm_segment(self, seg: Segment, prefix: Segment, tenant: str) -> bool:
-        key = self._key(seg.token_ids, tenant, self._chunk_context(prefix))
+        key = self.keys.for_tokens(seg.token_ids, tenant, self.keys.chunk_context(prefix))
         with self._lock:
             if self.store.contains(key):
                 return False
-            self.store.put(key, self._compute_chunk_kv(seg, prefix, tenant))
+            self.store.put(key, self.compute_chunk_kv(seg, prefix, tenant))
         return True
 
     def _background_loop(self) -> None:
@@ -496,7 +453,7 @@ class Engine:
             if self.config.convention == "after-prefix" and len(plan.spans) > 1:
                 nxt = plan.spans[1]
                 if nxt.kind == "chunk" and nxt.mode == "fresh":
-                    self._store_span(result.kv, nxt, tenant, "after:" + token_ids_digest(list(first.token_ids)))
+                    self._store_span(result.kv, nxt, tenant, self.keys.chunk_context(first))
         kept: dict[int, ChunkKV] = {}
         for index, node in planned.new_nodes:
             kept[index] = self._store_span(result.kv, plan.spans[index], tenant, "", key=self.planner.node_key(node))
@@ -519,7 +476,7 @@ class Engine:
             span = plan.spans[rec.span_index]
             context = prefix_context(rec.prefix)
             variant = Variant(tenant, rec.chunk_digest, rec.prefix, rec.cci, rec.inter,
-                              self._key(span.token_ids, tenant, context))
+                              self.keys.for_tokens(span.token_ids, tenant, context))
             # the variant's metadata rides with its KV, so the index can be rebuilt after a restart
             self._store_span(result.kv, span, tenant, context, {VARIANT_META: variant_to_meta(variant)})
             self._add_variant(variant)
@@ -542,7 +499,7 @@ class Engine:
             if VARIANT_META not in meta:
                 continue
             variant = variant_from_meta(meta[VARIANT_META], meta.get("tenant", ""),
-                                        lambda chunk, tenant, context: self._key_digest(chunk, tenant, context))
+                                        lambda chunk, tenant, context: self.keys.for_digest(chunk, tenant, context))
             if variant is not None and variant.key.digest == digest:
                 self._add_variant(variant)
 

@@ -14,21 +14,42 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from engine_sidecar.cachecraft import AttentionRecorder, RecordedChunk, tokens_to_recompute
-from engine_sidecar.conversation import Conversation
-from engine_sidecar.cptree import CPNode, chain_digest
+from engine_sidecar.cachecraft import AttentionRecorder, RecordedChunk, VariantIndex, tokens_to_recompute
+from engine_sidecar.conversation import Conversation, ConversationStore
+from engine_sidecar.cptree import CPNode, CPTree, chain_digest
+from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.fingerprint import token_ids_digest
+from engine_sidecar.keys import KeyFactory
 from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.policies import CacheCraftPolicy, Policy
-from engine_sidecar.prompt import AssembledPrompt, Segment, segment_digest
-from engine_sidecar.reorder import access_key
+from engine_sidecar.prompt import AssembledPrompt, PromptBuilder, Segment, segment_digest
+from engine_sidecar.reorder import ChunkAccessTable, access_key
+from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.entry import CacheKey, ChunkKV
 from ragcache_integrations.types import ChunkedPrompt
 
-if TYPE_CHECKING:
-    from engine_sidecar.engine import Engine
+
+class PlanningState(Protocol):
+    """What planning reads: the caches, the indexes and the settings (the engine passes itself).
+    Planning still inserts CP-Tree nodes, rewards Cache-Craft variants and (with inline
+    precompute) stores chunk KV; everything a prefill computes is stored by the engine after it
+    succeeds."""
+
+    builder: PromptBuilder
+    keys: KeyFactory
+    config: EngineConfig
+    store: ChunkStore
+    cptree: CPTree
+    variants: VariantIndex
+    conversations: ConversationStore
+    access_table: ChunkAccessTable
+
+    def lookup(self, key: CacheKey) -> ChunkKV | None: ...
+
+    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]: ...
+
 
 # key context of chunk KV computed inside a request (a miss computed in place), any position
 IN_CONTEXT = "in-context"
@@ -74,18 +95,18 @@ def edge_digests(segments: list[Segment]) -> list[str]:
 
 
 class Planner:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, state: PlanningState):
+        self.state = state
 
     def root_digest(self, prefix: Segment, tenant: str) -> str:
         return chain_digest(tenant, token_ids_digest(list(prefix.token_ids)))
 
     def node_key(self, node: CPNode) -> CacheKey:
-        return self.engine._key_digest(node.chunk_digest, node.tenant, "path:" + node.path_digest)
+        return self.state.keys.for_digest(node.chunk_digest, node.tenant, "path:" + node.path_digest)
 
     def plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, use_prefix_tree: bool,
              dedup: bool) -> PlannedRequest:
-        engine = self.engine
+        engine = self.state
         if prompt.messages is not None:
             return self._plan_verbatim(prompt, policy, tenant, use_prefix_tree)
         conv = None
@@ -114,12 +135,12 @@ class Planner:
     def _from_prefix(self, assembled: AssembledPrompt, policy: Policy, tenant: str, prompt: ChunkedPrompt,
                      use_prefix_tree: bool) -> PlannedRequest:
         """No kept history: template prefix (exact when stored), then chunks and question."""
-        engine = self.engine
+        engine = self.state
         out = PlannedRequest(FusionPlan([], policy.name))
         prefix = assembled.segments[0]
         span = PlanSpan("prefix", 0, prefix.token_ids, "fresh")
         if policy.uses_cache and prefix.token_ids:
-            span.cached = engine.lookup(engine._key(prefix.token_ids, tenant, "exact"))
+            span.cached = engine.lookup(engine.keys.for_tokens(prefix.token_ids, tenant, "exact"))
             span.mode = "exact" if span.cached is not None else "fresh"
         out.plan.spans.append(span)
         root = self.root_digest(prefix, tenant) if (use_prefix_tree and policy.uses_cache) else None
@@ -132,7 +153,7 @@ class Planner:
         """Verbatim layout. A conversation's next turn re-sends the whole chat, so its KV is
         reused exactly for the longest common token prefix with the kept history (the earlier
         turns, as far as the template re-renders them identically); the rest is planned as usual."""
-        engine = self.engine
+        engine = self.state
         assembled = engine.builder.build(prompt)
         conv = engine.conversations.get(tenant, prompt.conversation_id) if prompt.conversation_id else None
         tokens = assembled.token_ids
@@ -145,7 +166,7 @@ class Planner:
             prefix_ids = assembled.segments[0].token_ids
             # the history wins unless it covers less than a template prefix the store holds exactly
             if same > len(prefix_ids) or (same > 0 and not engine.store.contains(
-                    engine._key(prefix_ids, tenant, "exact"))):
+                    engine.keys.for_tokens(prefix_ids, tenant, "exact"))):
                 out = PlannedRequest(FusionPlan([], policy.name), conversation=conv)
                 kept = ChunkKV(conv.history.keys[:, :same], conv.history.values[:, :same],
                                conv.history.token_ids[:same], None, tenant)
@@ -164,7 +185,7 @@ class Planner:
     def _chunks_and_question(self, out: PlannedRequest, segments: list[Segment], pos: int, prefix: Segment,
                              policy: Policy, tenant: str, prompt: ChunkedPrompt, tree_root: str | None,
                              chain_root: str | None = None) -> None:
-        engine = self.engine
+        engine = self.state
         chunk_segs = [s for s in segments if s.kind == "chunk"]
         out.chunk_ids = [s.chunk_id or "" for s in chunk_segs]
         digests = [segment_digest(s) for s in chunk_segs]
@@ -219,7 +240,7 @@ class Planner:
                     out.new_nodes.append((len(out.plan.spans), node))
                     if policy.fuses and not fusable and not isinstance(policy, CacheCraftPolicy):
                         # the same KV serves fusion when the chunk comes back elsewhere
-                        out.in_place.append((len(out.plan.spans), engine._key(seg.token_ids, tenant, IN_CONTEXT),
+                        out.in_place.append((len(out.plan.spans), engine.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT),
                                              chain_before))
                     parent = node
                     out.misses += 1
@@ -244,23 +265,23 @@ class Planner:
         """The chunk's KV computed in place by an earlier request (fusion policies only)."""
         if not (policy.uses_cache and policy.fuses) or isinstance(policy, CacheCraftPolicy):
             return None
-        return self.engine.lookup(self.engine._key(seg.token_ids, tenant, IN_CONTEXT))
+        return self.state.lookup(self.state.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT))
 
     def _fusable(self, seg: Segment, prefix: Segment, tenant: str) -> bool:
         """Whether fusion has stored KV for this chunk (any context)."""
-        store, engine = self.engine.store, self.engine
-        return (store.contains(engine._key(seg.token_ids, tenant, IN_CONTEXT))
-                or store.contains(engine._key(seg.token_ids, tenant, engine._chunk_context(prefix))))
+        store, engine = self.state.store, self.state
+        return (store.contains(engine.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT))
+                or store.contains(engine.keys.for_tokens(seg.token_ids, tenant, engine.keys.chunk_context(prefix))))
 
     def _promotable(self, segs: list[Segment], threshold: int, tenant: str) -> bool:
-        counts = [self.engine.access_table.count(access_key(tenant, s.chunk_id or "")) for s in segs]
-        return self.engine.cptree.should_promote(counts, threshold)
+        counts = [self.state.access_table.count(access_key(tenant, s.chunk_id or "")) for s in segs]
+        return self.state.cptree.should_promote(counts, threshold)
 
     def _craft(self, out: PlannedRequest, span: PlanSpan, digest: str, prior: tuple[str, ...], tenant: str,
                policy: CacheCraftPolicy) -> None:
         """Cache-Craft: reuse the chunk's lowest-CFO variant, or compute the chunk in this
         request's context and record it as a new variant."""
-        engine = self.engine
+        engine = self.state
         while (choice := engine.variants.choose(tenant, digest, prior, policy.alpha)) is not None:
             if choice.cfo >= policy.fresh_above:
                 out.plan.notes.append(f"cachecraft {span.chunk_id or digest[:8]}: best CFO {choice.cfo:.2f} "
@@ -285,9 +306,9 @@ class Planner:
                       tenant: str, chain_before: str | None, in_place: ChunkKV | None) -> None:
         """Fuse the chunk's stored KV (`in_place`: its in-context entry, already read), or plan
         the miss; `chain_before` names the exact KV before the chunk, recorded with a miss."""
-        engine = self.engine
-        key = engine._key(seg.token_ids, tenant, engine._chunk_context(prefix))
-        in_place_key = engine._key(seg.token_ids, tenant, IN_CONTEXT)
+        engine = self.state
+        key = engine.keys.for_tokens(seg.token_ids, tenant, engine.keys.chunk_context(prefix))
+        in_place_key = engine.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT)
         # KV computed in a request's context first: it saw a system prompt and neighbours, as the
         # chunk will now; a precomputed (warm / background / inline) entry otherwise
         span.cached = in_place
@@ -301,7 +322,7 @@ class Planner:
             out.in_place.append((len(out.plan.spans), in_place_key, chain_before))
         elif engine.config.precompute == "inline":
             started = time.perf_counter()
-            span.cached, token_layers = engine._precompute_chunk(seg, prefix, tenant)
+            span.cached, token_layers = engine.precompute_chunk(seg, prefix, tenant)
             out.precompute_s += time.perf_counter() - started
             out.precompute_token_layers += token_layers
             engine.store.put(key, span.cached)

@@ -42,7 +42,7 @@ from ragcache_integrations.recovery import REGISTRY, Recovery, normalize_message
 from ragcache_integrations.types import ChunkedPrompt, GenerationResult, SamplingParams
 
 
-def _as_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+def as_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return [{"role": m.role.value, "content": m.content or ""} for m in messages]
 
 
@@ -162,7 +162,7 @@ class ChunkCachedLLM(LastCallMixin, LLM):
 
     # --- chat ---------------------------------------------------------------------------------
     def _chat_messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-        return _as_dicts(messages)
+        return as_dicts(messages)
 
     def _completion_messages(self, prompt: str, formatted: bool) -> list[dict[str, str]]:
         # formatted=True: LlamaIndex already put system_prompt into the text (LLM._extend_prompt)

@@ -21,7 +21,7 @@ from llama_index.core.prompts.mixin import PromptDictType
 from llama_index.core.response_synthesizers import BaseSynthesizer, get_response_synthesizer
 from llama_index.core.schema import NodeWithScore, QueryType
 
-from ragcache_integrations.llama_index.llm import ChunkCachedLLM, _as_dicts
+from ragcache_integrations.llama_index.llm import ChunkCachedLLM, as_dicts
 from ragcache_integrations.llama_index.observer import node_text
 from ragcache_integrations.recovery import Recovery, with_chunks
 from ragcache_integrations.types import Chunk
@@ -59,7 +59,7 @@ class ChunkCachedSynthesizer(BaseSynthesizer):
         context = _JOIN.join(c.text for c in chunks)
         messages = llm._extend_messages(
             self._text_qa_template.format_messages(llm=llm, context_str=context, query_str=query_str))
-        recovery = with_chunks(_as_dicts(messages), chunks)
+        recovery = with_chunks(as_dicts(messages), chunks)
         if recovery.prompt is None:
             return recovery
         needed = sum(llm.count_tokens(m["content"]) for m in recovery.prompt.messages or [])

@@ -1,0 +1,28 @@
+"""Cache keys: the one place that names stored KV (model, tokenizer, tokens, tenant, context)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_sidecar.fingerprint import token_ids_digest
+from engine_sidecar.prompt import Segment
+from engine_sidecar.store.entry import CacheKey
+
+
+@dataclass(frozen=True)
+class KeyFactory:
+    model_fp: str
+    tokenizer_fp: str
+    convention: str  # "isolated" or "after-prefix": the context a chunk precomputed alone is keyed under
+
+    def for_tokens(self, token_ids: tuple[int, ...] | list[int], tenant: str, context: str) -> CacheKey:
+        return self.for_digest(token_ids_digest(list(token_ids)), tenant, context)
+
+    def for_digest(self, tokens_digest: str, tenant: str, context: str) -> CacheKey:
+        return CacheKey(self.model_fp, self.tokenizer_fp, tokens_digest, tenant, context)
+
+    def chunk_context(self, prefix: Segment) -> str:
+        """The context of a chunk's KV computed alone (warm-ups, inline and background precompute)."""
+        if self.convention == "after-prefix":
+            return "after:" + token_ids_digest(list(prefix.token_ids))
+        return "isolated"

@@ -1,0 +1,95 @@
+"""The dependency rule, checked on the source: first-party modules form no import cycle (lazy and
+type-only imports count), nobody imports another module's private names, the adapters never
+import the engine (so they install and import without torch), and the engine's stages take
+only the wire types from the adapter package."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine_sidecar", "ragcache_integrations")
+TOOLS = ("engine_sidecar.bench", "engine_sidecar.cli", "engine_sidecar.demo", "engine_sidecar.server",
+         "engine_sidecar.engine_args", "engine_sidecar.adaptive")
+WIRE_TYPES = {"ragcache_integrations", "ragcache_integrations.types", "ragcache_integrations.api_models",
+              "ragcache_integrations.policy_registry"}
+
+
+def _modules() -> dict[str, Path]:
+    files = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            files[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
+    return files
+
+
+def _imports(path: Path, known: set[str]) -> list[tuple[str, list[str]]]:
+    """(first-party module, names imported from it) for every import anywhere in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.append((sub, []) if sub in known else (node.module, [alias.name]))
+    out = []
+    for name, names in found:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name:
+            out.append((name, names))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = _modules()
+    known = set(files)
+    graph = {}
+    for name, path in files.items():
+        deps = {dep for dep, _ in _imports(path, known)}
+        # a package's __init__ re-exports its modules; a module importing its own package's name
+        # is importing one of its siblings, not the package's re-export list
+        graph[name] = {d for d in deps if d != name and not name.startswith(d + ".")}
+    return graph
+
+
+def test_no_import_cycles():
+    graph = _graph()
+
+    def reach(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for dep in graph[todo.pop()]:
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        return seen
+
+    cycles = sorted(n for n in graph if not n.endswith("__init__") and n in reach(n))
+    assert cycles == [], f"import cycles through {cycles}"
+
+
+def test_no_private_names_cross_modules():
+    files = _modules()
+    offenders = [f"{name} imports {dep}.{n}" for name, path in files.items()
+                 for dep, names in _imports(path, set(files)) for n in names
+                 if n.startswith("_") and not n.startswith("__") and dep != name]
+    assert offenders == []
+
+
+def test_adapters_never_import_the_engine():
+    graph = _graph()
+    offenders = sorted(n for n, deps in graph.items() if n.startswith("ragcache_integrations")
+                       and any(d.startswith("engine_sidecar") for d in deps))
+    assert offenders == []
+
+
+def test_engine_stages_take_only_wire_types_from_the_adapter_package():
+    graph = _graph()
+    offenders = sorted(f"{n} -> {d}" for n, deps in graph.items()
+                       if n.startswith("engine_sidecar") and not n.startswith(TOOLS)
+                       for d in deps if d.startswith("ragcache_integrations") and d not in WIRE_TYPES)
+    assert offenders == []
