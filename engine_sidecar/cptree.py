@@ -133,9 +133,12 @@ class CPTree:
                     self._detach(node)
 
     def match(self, root_digest: str, chunk_digests: Sequence[str], tenant: str = "") -> list[CPNode]:
-        """Longest stored path for these leading chunks (dead nodes are pruned on the way)."""
+        """Longest stored path for these leading chunks (dead nodes are pruned on the way). A
+        root that does not exist yet is not created: planning adds nothing to the tree."""
         with self._lock:
             path: list[CPNode] = []
+            if root_digest not in self._roots:
+                return path
             node = self.root(root_digest, tenant)
             now = node.used
             for digest in chunk_digests:
@@ -173,6 +176,30 @@ class CPTree:
             if self._count > self.max_nodes:
                 self._sweep()
             return child
+
+    def propose(self, parent: CPNode | None, root_digest: str, chunk_digest: str, chunk_id: str | None,
+                tenant: str = "") -> CPNode:
+        """A node as planning sees it, outside the tree: `commit` inserts it once its KV is stored
+        (a prefill that fails leaves the tree as it was). `parent` is a matched node or an
+        earlier proposal; None means the root of `root_digest`."""
+        if parent is None:
+            parent = CPNode("", root_digest, tenant=tenant)
+        return CPNode(chunk_digest, self.child_path_digest(parent, chunk_digest), chunk_id, tenant=parent.tenant,
+                      parent=parent)
+
+    def commit(self, proposed: CPNode) -> CPNode:
+        """Insert a proposed node (and the proposals it hangs from), returning the tree's node."""
+        parent = proposed.parent
+        if parent is None:
+            raise ValueError("a proposed node has a parent")
+        with self._lock:
+            if parent.parent is None:
+                held = self.root(parent.path_digest, parent.tenant)
+            elif parent.parent.children.get(parent.chunk_digest) is parent:
+                held = parent  # a matched node (insert copes if a sweep dropped it meanwhile)
+            else:
+                held = self.commit(parent)
+            return self.insert(held, proposed.chunk_digest, proposed.chunk_id)
 
     def should_promote(self, counts: Sequence[int], threshold: int | None = None) -> bool:
         """A path [C1..Cd] is promoted once every chunk on it reached the threshold."""

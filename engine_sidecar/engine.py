@@ -455,8 +455,9 @@ class Engine:
                 if nxt.kind == "chunk" and nxt.mode == "fresh":
                     self._store_span(result.kv, nxt, tenant, self.keys.chunk_context(first))
         kept: dict[int, ChunkKV] = {}
-        for index, node in planned.new_nodes:
-            kept[index] = self._store_span(result.kv, plan.spans[index], tenant, "", key=self.planner.node_key(node))
+        for index, proposed in planned.new_nodes:  # KV first: a node in the tree always has its KV
+            kept[index] = self._store_span(result.kv, plan.spans[index], tenant, "", key=self.planner.node_key(proposed))
+            self.cptree.commit(proposed)
         for index, key, chain in planned.in_place:
             # a miss computed in this request: its pre-RoPE keys are position-free already; the
             # chunks it was computed after ride along for choosing among contexts later, and the

@@ -61,7 +61,7 @@ class PlannedRequest:
     hits: int = 0
     misses: int = 0
     background: list[tuple[Segment, Segment]] = field(default_factory=list)  # (chunk, prefix)
-    new_nodes: list[tuple[int, CPNode]] = field(default_factory=list)  # (span index, node) to store
+    new_nodes: list[tuple[int, CPNode]] = field(default_factory=list)  # (span index, proposed node) to store
     conversation: Conversation | None = None
     dropped_chunk_ids: list[str] = field(default_factory=list)
     chunk_ids: list[str] = field(default_factory=list)
@@ -195,7 +195,7 @@ class Planner:
         parent: CPNode | None = None
         if tree_root is not None:
             path = engine.cptree.match(tree_root, tree_digests, tenant)
-            parent = path[-1] if path else engine.cptree.root(tree_root, tenant)
+            parent = path[-1] if path else None  # None: the root, created when a node is committed
         chunk_index = 0
         extending = tree_root is not None  # still contiguous with exact KV before us
         # digest of every token before `pos` while all of their KV is exact (reused at the
@@ -234,9 +234,10 @@ class Planner:
                 fusable = policy.fuses and (isinstance(policy, CacheCraftPolicy)
                                             or self._fusable(seg, prefix, tenant))
                 threshold = engine.config.fusion_promote_threshold if fusable else engine.config.promote_threshold
-                if extending and parent is not None and self._promotable(chunk_segs[: i + 1], threshold, tenant):
+                if extending and tree_root is not None and self._promotable(chunk_segs[: i + 1], threshold, tenant):
                     # computed with full attention after exact KV: exact, so it becomes a node
-                    node = engine.cptree.insert(parent, tree_digests[i], seg.chunk_id)
+                    # (proposed here, inserted by the engine after the prefill stored its KV)
+                    node = engine.cptree.propose(parent, tree_root, tree_digests[i], seg.chunk_id, tenant)
                     out.new_nodes.append((len(out.plan.spans), node))
                     if policy.fuses and not fusable and not isinstance(policy, CacheCraftPolicy):
                         # the same KV serves fusion when the chunk comes back elsewhere
