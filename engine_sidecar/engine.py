@@ -235,7 +235,8 @@ class Engine:
     def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                  policy: str | Policy = "cacheblend", tenant: str = "", order: str = "preserve") -> GenerationResult:
         """Answer a chunk-structured prompt. `policy` picks the recompute strategy, `order`
-        ('preserve' or 'frequency') whether chunks are re-sorted by the CA-Table, `tenant` salts
+        ('preserve', 'frequency' or 'hits-first') whether chunks are re-sorted by the CA-Table
+        or with the chunks the cache holds first, `tenant` salts
         every cache key so tenants never share KV. With `prompt.conversation_id` the next turn
         continues from this one's KV."""
         stream = self.stream(prompt, sampling, policy, tenant, order)
@@ -257,11 +258,29 @@ class Engine:
         check_order(order)
         # counts are per tenant: one tenant's traffic must not reorder (or reveal) another's chunks
         self.access_table.record([access_key(tenant, c.id or "") for c in prompt.chunks])
-        if order == "frequency" and prompt.chunks and prompt.messages is None:
+        if prompt.chunks and prompt.messages is None:
             # (a verbatim prompt's chunks sit where the app's text put them: it cannot be reordered)
-            prompt = prompt.model_copy(update={"chunks": self.access_table.sort(
-                prompt.chunks, lambda c: access_key(tenant, c.id or ""))})
+            if order == "frequency":
+                prompt = prompt.model_copy(update={"chunks": self.access_table.sort(
+                    prompt.chunks, lambda c: access_key(tenant, c.id or ""))})
+            elif order == "hits-first":
+                prompt = prompt.model_copy(update={"chunks": self._hits_first(prompt, tenant)})
         return prompt, sampling, pol
+
+    def _hits_first(self, prompt: ChunkedPrompt, tenant: str) -> list[Chunk]:
+        """Chunks whose KV the store holds (computed in place earlier, or warmed) first, each
+        group in the retriever's order."""
+        prefix = self.builder.prefix_segment(prompt.system)
+        context = self.keys.chunk_context(prefix)
+
+        def held(chunk: Chunk) -> bool:
+            ids = self.builder.chunk_segment(chunk).token_ids
+            return (self.store.contains(self.keys.for_tokens(ids, tenant, IN_CONTEXT))
+                    or self.store.contains(self.keys.for_tokens(ids, tenant, context)))
+
+        flags = [held(c) for c in prompt.chunks]
+        return ([c for c, f in zip(prompt.chunks, flags, strict=True) if f]
+                + [c for c, f in zip(prompt.chunks, flags, strict=True) if not f])
 
     def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
                        tenant: str = "", order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:

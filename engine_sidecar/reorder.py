@@ -14,7 +14,7 @@ from typing import Literal, TypeVar
 
 from engine_sidecar.errors import InvalidPromptError
 
-Order = Literal["preserve", "frequency"]
+Order = Literal["preserve", "frequency", "hits-first"]
 T = TypeVar("T")
 
 
@@ -55,6 +55,6 @@ def access_key(tenant: str, chunk_id: str) -> str:
 
 
 def check_order(order: str) -> Order:
-    if order not in ("preserve", "frequency"):
-        raise InvalidPromptError(f"unknown order '{order}': use preserve or frequency")
+    if order not in ("preserve", "frequency", "hits-first"):
+        raise InvalidPromptError(f"unknown order '{order}': use preserve, frequency or hits-first")
     return order  # type: ignore[return-value]

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from engine_sidecar import Engine
-from ragcache_integrations import ChunkedPrompt
+from engine_sidecar.errors import InvalidPromptError
+from ragcache_integrations import Chunk, ChunkedPrompt
 
 PASSAGES = [
     "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
@@ -97,3 +98,23 @@ def test_in_place_kv_is_per_tenant(tiny_engine, tenant):
     tiny_engine.generate(ask(PASSAGES), {"max_tokens": 1}, tenant="acme")
     stats = tiny_engine.generate(ask(PASSAGES[::-1]), {"max_tokens": 1}, tenant=tenant).stats
     assert stats.chunk_hits == (3 if tenant == "acme" else 0)
+
+
+def test_hits_first_order_puts_held_chunks_before_new_ones(tiny_engine):
+    """order="hits-first": chunks the store holds (warmed, or computed in place by an earlier
+    request) go first, each group in the retriever's order."""
+    a, b, c = (Chunk(id=i, text=t) for i, t in zip("abc", (
+        "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
+        "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres.",
+        "The Danube passes through ten countries, more than any other river in the world."), strict=True))
+    tiny_engine.warm([c])
+    first = tiny_engine.generate(ChunkedPrompt(chunks=[a, b, c], question="q?"), {"max_tokens": 1},
+                                 order="hits-first")
+    assert [s["chunk_id"] for s in first.stats.plan if s["kind"] == "chunk"] == ["c", "a", "b"]
+    assert first.stats.chunk_hits == 1
+    # a and b were computed in place by that request: now all three are held, retriever order kept
+    second = tiny_engine.generate(ChunkedPrompt(chunks=[b, a, c], question="q?"), {"max_tokens": 1},
+                                  order="hits-first")
+    assert [s["chunk_id"] for s in second.stats.plan if s["kind"] == "chunk"] == ["b", "a", "c"]
+    with pytest.raises(InvalidPromptError, match="hits-first"):
+        tiny_engine.generate(ChunkedPrompt(chunks=[a], question="q?"), order="misses-first")

@@ -38,7 +38,8 @@ from engine_sidecar.reorder import ChunkAccessTable
 from engine_sidecar.store.chunk_store import ChunkStore
 from ragcache_integrations.types import Chunk, ChunkedPrompt
 
-ALL_SYSTEMS = ["full", "prefix", "prefix+reorder", "fusion", "fusion+reorder", "vllm-apc", "vllm-apc+reorder"]
+ALL_SYSTEMS = ["full", "prefix", "prefix+reorder", "fusion", "fusion+reorder", "fusion+hits-first", "vllm-apc",
+               "vllm-apc+reorder"]
 
 
 @dataclass
@@ -53,7 +54,8 @@ class SystemLog:
 
 def engine_setup(system: str, ratio: float) -> tuple[str, str, bool]:
     policy = f"cacheblend:{ratio}" if system.startswith("fusion") else system.split("+")[0]
-    return policy, "frequency" if system.endswith("+reorder") else "preserve", system != "full"
+    order = "frequency" if system.endswith("+reorder") else "hits-first" if system.endswith("+hits-first") else "preserve"
+    return policy, order, system != "full"
 
 
 def prompt_for(corpus_passages: dict[str, str], request: Request, system: str) -> ChunkedPrompt:
