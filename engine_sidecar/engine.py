@@ -19,13 +19,9 @@ import torch
 
 from engine_sidecar.adaptive import CostMeter
 from engine_sidecar.cachecraft import (
-    VARIANT_META,
-    Variant,
     VariantIndex,
-    prefix_context,
-    variant_from_meta,
-    variant_to_meta,
 )
+from engine_sidecar.commit import ReuseWriter
 from engine_sidecar.conversation import Conversation, ConversationStore
 from engine_sidecar.cptree import CPTree
 from engine_sidecar.engine_config import EngineConfig
@@ -43,7 +39,8 @@ from engine_sidecar.prefetch import preload_depth
 from engine_sidecar.prompt import PromptBuilder, Segment
 from engine_sidecar.reorder import ChunkAccessTable, access_key, check_order
 from engine_sidecar.scheduler import Scheduler
-from engine_sidecar.sequence import Sequence
+from engine_sidecar.sequence import GenerationStream, Sequence
+from engine_sidecar.stats import request_stats
 from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.disk import DamagedCacheFile
 from engine_sidecar.store.entry import CacheKey, ChunkKV
@@ -57,38 +54,6 @@ from ragcache_integrations.types import (
 
 log = logging.getLogger("ragcache.engine")
 DEFAULT_SYSTEM = ChunkedPrompt.model_fields["system"].default
-
-
-class GenerationStream:
-    """Iterate for text deltas; `.result` holds the full GenerationResult once iteration ends."""
-
-    def __init__(self, events: Iterator[str | GenerationResult]):
-        self._events = events
-        self.result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        for event in self.ticks():
-            if event:
-                yield event
-
-    def ticks(self) -> Iterator[str]:
-        """Like iterating, plus an empty string for every token that added no text yet (held
-        back for a stop string, or an incomplete character): a consumer that checks for
-        cancellation between items sees one item per generated token."""
-        try:
-            for event in self._events:
-                if isinstance(event, GenerationResult):
-                    self.result = event
-                else:
-                    yield event
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Stop the generation (a no-op once it finished): its sequence leaves the batch."""
-        close = getattr(self._events, "close", None)
-        if close is not None:
-            close()
 
 
 class Engine:
@@ -113,9 +78,9 @@ class Engine:
         self.variants = VariantIndex(config.cachecraft_variants_per_chunk, config.cachecraft_max_chunks)
         self.costs = CostMeter()
         self._lazy_reads = False
-        self._variants_loaded = False
         store.on_disk_load = lambda seconds, tokens: self.costs.observe_load("disk", seconds, tokens)
-        self.cptree = CPTree(lambda node: self.store.contains(self.planner.node_key(node)), config.promote_threshold)
+        self.cptree = CPTree(lambda node: self.store.contains(self.keys.for_node(node)), config.promote_threshold)
+        self.writer = ReuseWriter(store, self.keys, self.cptree, self.variants)
         c = runner.config
         kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
         self.scheduler = Scheduler(runner, self._lock, self._begin, self._complete, config.max_batch,
@@ -168,17 +133,10 @@ class Engine:
         result = fused_prefill(self.runner, FusionPlan(spans, "precompute"), ReusePolicy(), need_logits=False)
         end = start + len(chunk_seg.token_ids)
         if self.config.convention == "after-prefix" and spans[0].cached is None:
-            self._store_span(result.kv, spans[0], tenant, "exact")
+            self.writer.store_span(result.kv, spans[0], tenant, "exact")
         entry = ChunkKV(result.kv.keys_pre[:, start:end].clone(), result.kv.values[:, start:end].clone(),
                         torch.tensor(chunk_seg.token_ids, dtype=torch.long), chunk_seg.chunk_id, tenant)
         return entry, result.token_layers_computed
-
-    def _store_span(self, kv: KVBuffer, span: PlanSpan, tenant: str, context: str,
-                    meta: dict[str, str] | None = None, key: CacheKey | None = None) -> ChunkKV:
-        entry = ChunkKV(kv.keys_pre[:, span.start : span.end].clone(), kv.values[:, span.start : span.end].clone(),
-                        torch.tensor(span.token_ids, dtype=torch.long), span.chunk_id, tenant, dict(meta or {}))
-        self.store.put(key or self.keys.for_tokens(span.token_ids, tenant, context), entry)
-        return entry
 
     def _check_chunk_fits(self, seg: Segment, index: int | None = None) -> None:
         if len(seg.token_ids) >= self.max_context:
@@ -291,9 +249,9 @@ class Engine:
         with self._lock:
             planned = self._plan(prompt, pol, tenant)
             planned, result = self._prefill(planned, pol, prompt, tenant, planned.plan.num_tokens, {})
-            self._learn(planned, result, tenant)
+            self.writer.commit(planned, result, tenant)
         assert result.logits is not None
-        return result.logits, self._stats(planned, result, time.perf_counter() - t0, pol, {})
+        return result.logits, self._request_stats(planned, result, time.perf_counter() - t0, pol, {})
 
     def measure_full_prefill(self, prompt: ChunkedPrompt | dict) -> float:
         """Seconds an ordinary full prefill of this prompt takes now, without touching the cache,
@@ -360,10 +318,10 @@ class Engine:
             seq.times["plan_s"] = time.perf_counter() - started
         capacity = planned.plan.num_tokens + seq.sampling.max_tokens + 1
         planned, result = self._prefill(planned, seq.policy, seq.prompt, seq.tenant, capacity, seq.times)
-        self._learn(planned, result, seq.tenant)
+        self.writer.commit(planned, result, seq.tenant)
         seq.planned = planned
         assert result.logits is not None
-        stats = self._stats(planned, result, time.perf_counter() - seq.t0, seq.policy, seq.times)
+        stats = self._request_stats(planned, result, time.perf_counter() - seq.t0, seq.policy, seq.times)
         return seq.begin_decoding(result.logits, result.kv, stats, self.builder.decode, self.eos_ids)
 
     def _complete(self, seq: Sequence) -> None:
@@ -398,7 +356,7 @@ class Engine:
     def _plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, lazy: bool = True) -> PlannedRequest:
         disk_hits = self.store.hits_disk
         if isinstance(policy, CacheCraftPolicy):
-            self._load_variants()
+            self.writer.load_variants()
         # policies that read every cached layer before layer 0 (CacheTune's scores) load eagerly
         self._lazy_reads = lazy and self.config.prefetch and not policy.needs_cached_kv
         try:
@@ -460,100 +418,9 @@ class Engine:
         if result.prefetch is not None:
             self.costs.observe_load("disk", result.prefetch.read_s, result.prefetch.tokens)
 
-    def _learn(self, planned: PlannedRequest, result: PrefillResult, tenant: str) -> None:
-        """Keep what this request computed exactly: the template prefix, new CP-Tree nodes, and
-        under the after-prefix convention a first chunk computed fresh right after the prefix."""
-        plan = planned.plan
-        if not plan.spans or plan.policy == "full":
-            return
-        first = plan.spans[0]
-        if first.kind == "prefix" and first.mode == "fresh":
-            self._store_span(result.kv, first, tenant, "exact")
-            if self.config.convention == "after-prefix" and len(plan.spans) > 1:
-                nxt = plan.spans[1]
-                if nxt.kind == "chunk" and nxt.mode == "fresh":
-                    self._store_span(result.kv, nxt, tenant, self.keys.chunk_context(first))
-        kept: dict[int, ChunkKV] = {}
-        for index, proposed in planned.new_nodes:  # KV first: a node in the tree always has its KV
-            kept[index] = self._store_span(result.kv, plan.spans[index], tenant, "", key=self.planner.node_key(proposed))
-            self.cptree.commit(proposed)
-        for index, key, chain in planned.in_place:
-            # a miss computed in this request: its pre-RoPE keys are position-free already; the
-            # chunks it was computed after ride along for choosing among contexts later, and the
-            # chain digest of the tokens before it when their KV was exact (a later request with
-            # the same tokens before the chunk reuses it exactly, without recompute)
-            span = plan.spans[index]
-            before = [s.chunk_id or "" for s in plan.spans[:index] if s.kind == "chunk"]
-            meta = {"context": IN_CONTEXT, "start": str(span.start), "after_chunks": ",".join(before)}
-            if chain is not None:
-                meta["chain"] = chain
-            node = kept.get(index)
-            if node is None:
-                self._store_span(result.kv, span, tenant, IN_CONTEXT, meta)
-            else:  # the node's tensors under a second key
-                self.store.put(key, ChunkKV(node.keys, node.values, node.token_ids, span.chunk_id, tenant, meta))
-        for rec in planned.craft:  # Cache-Craft: chunks computed in this request's context become variants
-            span = plan.spans[rec.span_index]
-            context = prefix_context(rec.prefix)
-            variant = Variant(tenant, rec.chunk_digest, rec.prefix, rec.cci, rec.inter,
-                              self.keys.for_tokens(span.token_ids, tenant, context))
-            # the variant's metadata rides with its KV, so the index can be rebuilt after a restart
-            self._store_span(result.kv, span, tenant, context, {VARIANT_META: variant_to_meta(variant)})
-            self._add_variant(variant)
-
-    def _add_variant(self, variant: Variant) -> None:
-        for evicted in self.variants.add(variant):
-            if evicted.key != variant.key:
-                self.store.remove(evicted.key)
-
-    def _load_variants(self) -> None:
-        """Once per engine: rebuild Cache-Craft's variant index from the disk tier (variants of
-        this model and tokenizer only: their keys must reproduce the file's digest)."""
-        if self._variants_loaded:
-            return
-        self._variants_loaded = True
-        if self.store.disk is None:
-            return
-        for digest in self.store.disk.digests():
-            meta = self.store.disk.metadata(digest)
-            if VARIANT_META not in meta:
-                continue
-            variant = variant_from_meta(meta[VARIANT_META], meta.get("tenant", ""),
-                                        lambda chunk, tenant, context: self.keys.for_digest(chunk, tenant, context))
-            if variant is not None and variant.key.digest == digest:
-                self._add_variant(variant)
-
-    def _stats(self, planned: PlannedRequest, result: PrefillResult, ttft: float,
-               policy: Policy, times: dict[str, float]) -> GenerationStats:
-        plan = planned.plan
-        total = plan.num_tokens
-        cached = sum(len(s) for s in plan.spans if s.mode != "fresh")
-        recomputed = result.fused_tokens_recomputed
-        layers = self.runner.num_layers
-        # all work done for this request, inline precompute included; queued background work apart
-        work = result.token_layers_computed + planned.precompute_token_layers
-        background = layers * sum(len(seg.token_ids) + (len(prefix.token_ids) if self.config.convention ==
-                                                         "after-prefix" else 0) for seg, prefix in planned.background)
-        if planned.precompute_s:
-            times["precompute_s"] = planned.precompute_s
-        return GenerationStats(
-            ttft_s=ttft,
-            prefill_tokens_total=total,
-            tokens_reused=cached - recomputed,
-            tokens_recomputed=recomputed,
-            tokens_computed_fresh=total - cached,
-            chunk_hits=planned.hits,
-            chunk_misses=planned.misses,
-            computed_fraction=work / max(1, total * layers),
-            token_layers_computed=work,
-            token_layers_precomputed=planned.precompute_token_layers,
-            token_layers_background=background,
-            policy=policy.name,
-            stage_times=times,
-            plan=plan.describe(),
-            notes=plan.notes,
-            chunks_deduplicated=len(planned.dropped_chunk_ids),
-        )
+    def _request_stats(self, planned: PlannedRequest, result: PrefillResult, ttft: float, policy: Policy,
+                       times: dict[str, float]) -> GenerationStats:
+        return request_stats(planned, result, ttft, policy, times, self.runner.num_layers, self.config.convention)
 
     # --- housekeeping ------------------------------------------------------------------------
     def clear_cache(self, chunk_id: str | None = None, tenant: str | None = None) -> int:
@@ -565,7 +432,7 @@ class Engine:
                 self.variants.clear(tenant)
                 self.conversations.clear(tenant)
                 if tenant is None:
-                    self._variants_loaded = True  # the files are gone too
+                    self.writer.variants_loaded = True  # the files are gone too
             return self.store.delete(chunk_id, tenant)
 
     def close(self) -> None:

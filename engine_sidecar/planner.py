@@ -102,7 +102,7 @@ class Planner:
         return chain_digest(tenant, token_ids_digest(list(prefix.token_ids)))
 
     def node_key(self, node: CPNode) -> CacheKey:
-        return self.state.keys.for_digest(node.chunk_digest, node.tenant, "path:" + node.path_digest)
+        return self.state.keys.for_node(node)
 
     def plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, use_prefix_tree: bool,
              dedup: bool) -> PlannedRequest:

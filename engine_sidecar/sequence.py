@@ -126,3 +126,34 @@ class Sequence:
         finally:
             self.cancelled.set()
 
+
+class GenerationStream:
+    """Iterate for text deltas; `.result` holds the full GenerationResult once iteration ends."""
+
+    def __init__(self, events: Iterator[str | GenerationResult]):
+        self._events = events
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        for event in self.ticks():
+            if event:
+                yield event
+
+    def ticks(self) -> Iterator[str]:
+        """Like iterating, plus an empty string for every token that added no text yet (held
+        back for a stop string, or an incomplete character): a consumer that checks for
+        cancellation between items sees one item per generated token."""
+        try:
+            for event in self._events:
+                if isinstance(event, GenerationResult):
+                    self.result = event
+                else:
+                    yield event
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the generation (a no-op once it finished): its sequence leaves the batch."""
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            close()

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from fastapi import Request
 
-from engine_sidecar.engine import GenerationStream
+from engine_sidecar.sequence import GenerationStream
 from engine_sidecar.server.context import ServerContext
 from engine_sidecar.server.errors import ApiError
 from engine_sidecar.server.tenancy import unscope_result
