@@ -9,7 +9,6 @@ take the same lock between steps.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -34,7 +33,8 @@ from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.paths import default_cache_dir
 from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.planner import IN_CONTEXT, PlannedRequest, Planner
-from engine_sidecar.policies import CacheCraftPolicy, Policy, ReusePolicy, parse_policy
+from engine_sidecar.policies import CacheCraftPolicy, Policy, parse_policy
+from engine_sidecar.precompute import Precomputer
 from engine_sidecar.prefetch import preload_depth
 from engine_sidecar.prompt import PromptBuilder, Segment
 from engine_sidecar.reorder import ChunkAccessTable, access_key, check_order
@@ -68,8 +68,6 @@ class Engine:
         self.tokenizer_fp = tokenizer_fingerprint(model_dir, builder.chat_template)
         self.keys = KeyFactory(self.model_fp, self.tokenizer_fp, config.convention)
         self._lock = threading.RLock()
-        self._background: queue.Queue[tuple[Segment, Segment, str] | None] = queue.Queue()
-        self._worker: threading.Thread | None = None
         self.eos_ids = self._eos_ids()
         self.access_table = ChunkAccessTable(config.ca_window)
         self.conversations = ConversationStore(config.conversation_ttl_s, config.conversation_max_tokens,
@@ -81,6 +79,7 @@ class Engine:
         store.on_disk_load = lambda seconds, tokens: self.costs.observe_load("disk", seconds, tokens)
         self.cptree = CPTree(lambda node: self.store.contains(self.keys.for_node(node)), config.promote_threshold)
         self.writer = ReuseWriter(store, self.keys, self.cptree, self.variants)
+        self.precompute = Precomputer(runner, store, self.keys, self.writer, self._lock)
         c = runner.config
         kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
         self.scheduler = Scheduler(runner, self._lock, self._begin, self._complete, config.max_batch,
@@ -117,27 +116,6 @@ class Engine:
         return self.runner.config.max_position_embeddings
 
     # --- precompute --------------------------------------------------------------------------
-    def compute_chunk_kv(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> ChunkKV:
-        return self.precompute_chunk(chunk_seg, prefix, tenant)[0]
-
-    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
-        """A chunk's KV computed alone (after the prefix under the after-prefix convention), and
-        the token-layers that cost."""
-        spans: list[PlanSpan] = []
-        start = 0
-        if self.config.convention == "after-prefix":
-            cached = self.store.get(self.keys.for_tokens(prefix.token_ids, tenant, "exact"))
-            spans.append(PlanSpan("prefix", 0, prefix.token_ids, "exact" if cached else "fresh", cached))
-            start = len(prefix.token_ids)
-        spans.append(PlanSpan("chunk", start, chunk_seg.token_ids, "fresh", chunk_id=chunk_seg.chunk_id))
-        result = fused_prefill(self.runner, FusionPlan(spans, "precompute"), ReusePolicy(), need_logits=False)
-        end = start + len(chunk_seg.token_ids)
-        if self.config.convention == "after-prefix" and spans[0].cached is None:
-            self.writer.store_span(result.kv, spans[0], tenant, "exact")
-        entry = ChunkKV(result.kv.keys_pre[:, start:end].clone(), result.kv.values[:, start:end].clone(),
-                        torch.tensor(chunk_seg.token_ids, dtype=torch.long), chunk_seg.chunk_id, tenant)
-        return entry, result.token_layers_computed
-
     def _check_chunk_fits(self, seg: Segment, index: int | None = None) -> None:
         if len(seg.token_ids) >= self.max_context:
             where = f"chunks[{index}]" if index is not None else f"chunk {seg.chunk_id}"
@@ -154,40 +132,18 @@ class Engine:
             chunk = Chunk(text=raw) if isinstance(raw, str) else raw
             seg = self.builder.chunk_segment(chunk)
             self._check_chunk_fits(seg, i)
-            computed += self._warm_segment(seg, prefix, tenant)
+            computed += self.precompute.warm_segment(seg, prefix, tenant)
         return computed
 
-    def _warm_segment(self, seg: Segment, prefix: Segment, tenant: str) -> bool:
-        key = self.keys.for_tokens(seg.token_ids, tenant, self.keys.chunk_context(prefix))
-        with self._lock:
-            if self.store.contains(key):
-                return False
-            self.store.put(key, self.compute_chunk_kv(seg, prefix, tenant))
-        return True
+    def compute_chunk_kv(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> ChunkKV:
+        return self.precompute.compute_chunk_kv(chunk_seg, prefix, tenant)
 
-    def _background_loop(self) -> None:
-        while True:
-            item = self._background.get()
-            try:
-                if item is None:
-                    return
-                self._warm_segment(*item)
-            except Exception:  # a failed warm only means a later miss
-                log.exception("background precompute failed")
-            finally:
-                self._background.task_done()
-
-    def _enqueue_background(self, seg: Segment, prefix: Segment, tenant: str) -> None:
-        # the segment itself, not its chunk's text: in the verbatim layout a chunk's tokens
-        # come from the whole prompt's tokenization
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._background_loop, name="ragcache-precompute", daemon=True)
-            self._worker.start()
-        self._background.put((seg, prefix, tenant))
+    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
+        return self.precompute.precompute_chunk(chunk_seg, prefix, tenant)
 
     def wait_background(self) -> None:
         """Block until background precompute work queued so far is stored."""
-        self._background.join()
+        self.precompute.wait_background()
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
@@ -332,7 +288,7 @@ class Engine:
         if seq.prompt is not None and seq.prompt.conversation_id:
             self._keep_conversation(seq.prompt, seq.planned, seq.kv, seq.generated, seq.tenant)
         for chunk_seg, prefix in seq.planned.background:
-            self._enqueue_background(chunk_seg, prefix, seq.tenant)
+            self.precompute.enqueue_background(chunk_seg, prefix, seq.tenant)
         seq.finish()
 
     def _keep_conversation(self, prompt: ChunkedPrompt, planned: PlannedRequest, kv: KVBuffer,
@@ -437,10 +393,7 @@ class Engine:
 
     def close(self) -> None:
         self.scheduler.close()
-        if self._worker is not None:
-            self._background.put(None)
-            self._worker.join(timeout=30)
-            self._worker = None
+        self.precompute.close()
         self.store.flush()
 
     def __enter__(self) -> Engine:
