@@ -24,7 +24,6 @@ from engine_sidecar.commit import ReuseWriter
 from engine_sidecar.conversation import Conversation, ConversationStore
 from engine_sidecar.cptree import CPTree
 from engine_sidecar.engine_config import EngineConfig
-from engine_sidecar.errors import PromptTooLongError
 from engine_sidecar.executor import KVBuffer, PrefillResult, decode_step, fused_prefill
 from engine_sidecar.fingerprint import model_fingerprint, tokenizer_fingerprint
 from engine_sidecar.keys import KeyFactory
@@ -32,17 +31,17 @@ from engine_sidecar.model.prepare import resolve_model_dir
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.paths import default_cache_dir
 from engine_sidecar.plan import FusionPlan, PlanSpan
-from engine_sidecar.planner import IN_CONTEXT, PlannedRequest, Planner
+from engine_sidecar.planner import PlannedRequest, Planner
 from engine_sidecar.policies import CacheCraftPolicy, Policy, parse_policy
 from engine_sidecar.precompute import Precomputer
-from engine_sidecar.prefetch import preload_depth
+from engine_sidecar.prefill_stage import PrefillStage
 from engine_sidecar.prompt import PromptBuilder, Segment
-from engine_sidecar.reorder import ChunkAccessTable, access_key, check_order
+from engine_sidecar.reorder import ChunkAccessTable
+from engine_sidecar.request_prep import RequestPreparer
 from engine_sidecar.scheduler import Scheduler
 from engine_sidecar.sequence import GenerationStream, Sequence
 from engine_sidecar.stats import request_stats
 from engine_sidecar.store.chunk_store import ChunkStore
-from engine_sidecar.store.disk import DamagedCacheFile
 from engine_sidecar.store.entry import CacheKey, ChunkKV
 from ragcache_integrations.types import (
     Chunk,
@@ -75,11 +74,13 @@ class Engine:
         self.planner = Planner(self)
         self.variants = VariantIndex(config.cachecraft_variants_per_chunk, config.cachecraft_max_chunks)
         self.costs = CostMeter()
+        self.prefill_stage = PrefillStage(runner, store, self.costs)
         self._lazy_reads = False
         store.on_disk_load = lambda seconds, tokens: self.costs.observe_load("disk", seconds, tokens)
         self.cptree = CPTree(lambda node: self.store.contains(self.keys.for_node(node)), config.promote_threshold)
         self.writer = ReuseWriter(store, self.keys, self.cptree, self.variants)
         self.precompute = Precomputer(runner, store, self.keys, self.writer, self._lock)
+        self.prep = RequestPreparer(builder, self.access_table, store, self.keys, self.max_context)
         c = runner.config
         kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
         self.scheduler = Scheduler(runner, self._lock, self._begin, self._complete, config.max_batch,
@@ -116,14 +117,6 @@ class Engine:
         return self.runner.config.max_position_embeddings
 
     # --- precompute --------------------------------------------------------------------------
-    def _check_chunk_fits(self, seg: Segment, index: int | None = None) -> None:
-        if len(seg.token_ids) >= self.max_context:
-            where = f"chunks[{index}]" if index is not None else f"chunk {seg.chunk_id}"
-            raise PromptTooLongError(
-                f"{where} has {len(seg.token_ids)} tokens, more than the model's context window "
-                f"({self.max_context}); split it into smaller chunks"
-            )
-
     def warm(self, chunks: list[Chunk | str], system: str | None = None, tenant: str = "") -> int:
         """Precompute and store KV for chunks not cached yet; returns how many were computed."""
         prefix = self.builder.prefix_segment(system if system is not None else DEFAULT_SYSTEM)
@@ -131,7 +124,7 @@ class Engine:
         for i, raw in enumerate(chunks):
             chunk = Chunk(text=raw) if isinstance(raw, str) else raw
             seg = self.builder.chunk_segment(chunk)
-            self._check_chunk_fits(seg, i)
+            self.prep.check_chunk_fits(seg, i)
             computed += self.precompute.warm_segment(seg, prefix, tenant)
         return computed
 
@@ -161,47 +154,15 @@ class Engine:
 
     def stream(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                policy: str | Policy = "cacheblend", tenant: str = "", order: str = "preserve") -> GenerationStream:
-        prompt, sampling, pol = self._prepare(prompt, sampling, policy, order, tenant)
+        prompt, sampling, pol = self.prep.prepare(prompt, sampling, policy, order, tenant)
         return GenerationStream(self._submit(prompt, sampling, pol, tenant))
-
-    def _prepare(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None,
-                 policy: str | Policy, order: str, tenant: str) -> tuple[ChunkedPrompt, SamplingParams, Policy]:
-        prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
-        sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
-        pol = policy if isinstance(policy, Policy) else parse_policy(policy)
-        check_order(order)
-        # counts are per tenant: one tenant's traffic must not reorder (or reveal) another's chunks
-        self.access_table.record([access_key(tenant, c.id or "") for c in prompt.chunks])
-        if prompt.chunks and prompt.messages is None:
-            # (a verbatim prompt's chunks sit where the app's text put them: it cannot be reordered)
-            if order == "frequency":
-                prompt = prompt.model_copy(update={"chunks": self.access_table.sort(
-                    prompt.chunks, lambda c: access_key(tenant, c.id or ""))})
-            elif order == "hits-first":
-                prompt = prompt.model_copy(update={"chunks": self._hits_first(prompt, tenant)})
-        return prompt, sampling, pol
-
-    def _hits_first(self, prompt: ChunkedPrompt, tenant: str) -> list[Chunk]:
-        """Chunks whose KV the store holds (computed in place earlier, or warmed) first, each
-        group in the retriever's order."""
-        prefix = self.builder.prefix_segment(prompt.system)
-        context = self.keys.chunk_context(prefix)
-
-        def held(chunk: Chunk) -> bool:
-            ids = self.builder.chunk_segment(chunk).token_ids
-            return (self.store.contains(self.keys.for_tokens(ids, tenant, IN_CONTEXT))
-                    or self.store.contains(self.keys.for_tokens(ids, tenant, context)))
-
-        flags = [held(c) for c in prompt.chunks]
-        return ([c for c, f in zip(prompt.chunks, flags, strict=True) if f]
-                + [c for c, f in zip(prompt.chunks, flags, strict=True) if not f])
 
     def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
                        tenant: str = "", order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
         """Next-token logits after the prompt, and the prefill's stats (for fidelity checks)."""
-        prompt, _, pol = self._prepare(prompt, None, policy, order, tenant)
+        prompt, _, pol = self.prep.prepare(prompt, None, policy, order, tenant)
         t0 = time.perf_counter()
-        self._validate(prompt, 1)
+        self.prep.validate(prompt, 1)
         with self._lock:
             planned = self._plan(prompt, pol, tenant)
             planned, result = self._prefill(planned, pol, prompt, tenant, planned.plan.num_tokens, {})
@@ -225,34 +186,19 @@ class Engine:
         sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
         t0 = time.perf_counter()
         assembled = self.builder.build_chat(messages)
-        self._check_total(len(assembled), sampling.max_tokens)
+        self.prep.check_total(len(assembled), sampling.max_tokens)
         seg = assembled.segments[0]
         plan = FusionPlan([PlanSpan("question", 0, seg.token_ids, "fresh")], "full")
         seq = Sequence(sampling, parse_policy("full"), "", None, PlannedRequest(plan), len(assembled), t0)
         self.scheduler.submit(seq)
         return GenerationStream(seq.events())
 
-    def _check_total(self, total: int, max_tokens: int) -> None:
-        if total + max_tokens > self.max_context:
-            raise PromptTooLongError(
-                f"prompt has {total} tokens and max_tokens is {max_tokens}: together more than the "
-                f"model's context window ({self.max_context}); send fewer or shorter chunks or lower max_tokens"
-            )
-
-    def _validate(self, prompt: ChunkedPrompt, max_tokens: int) -> int:
-        """The prompt's token count, after checking it fits the context window."""
-        assembled = self.builder.build(prompt)
-        for i, seg in enumerate(s for s in assembled.segments if s.kind == "chunk"):
-            self._check_chunk_fits(seg, i)
-        self._check_total(len(assembled), max_tokens)
-        return len(assembled)
-
     def _submit(self, prompt: ChunkedPrompt, sampling: SamplingParams, policy: Policy,
                 tenant: str) -> Iterator[str | GenerationResult]:
         """Validate (a bad prompt raises here, before anything is queued), queue the sequence
         for the scheduler and hand on what it produces."""
         t0 = time.perf_counter()
-        total = self._validate(prompt, sampling.max_tokens)
+        total = self.prep.validate(prompt, sampling.max_tokens)
         seq = Sequence(sampling, policy, tenant, prompt, None, total, t0, {"tokenize_s": time.perf_counter() - t0})
         self.scheduler.submit(seq)
         yield from seq.events()
@@ -332,47 +278,8 @@ class Engine:
 
     def _prefill(self, planned: PlannedRequest, policy: Policy, prompt: ChunkedPrompt | None, tenant: str,
                  capacity: int, times: dict[str, float]) -> tuple[PlannedRequest, PrefillResult]:
-        """Run the plan (disk-tier KV prefetched layer by layer), learn costs, promote what was
-        read to RAM. A file found damaged mid-read was deleted: plan again reading whole files."""
-        for attempt in (0, 1):
-            started = time.perf_counter()
-            try:
-                result = fused_prefill(self.runner, planned.plan, policy, capacity=capacity,
-                                       observer=planned.observer(), prefetch_depth=self._preload_depth(planned))
-            except DamagedCacheFile:
-                if attempt or prompt is None:
-                    raise
-                # read whole files this time: each is verified before use, damaged ones are misses
-                planned = self._plan(prompt, policy, tenant, lazy=False)
-                continue
-            times["prefill_s"] = time.perf_counter() - started
-            self._observe_costs(result, times["prefill_s"])
-            if result.prefetch is not None:
-                times["prefetch_read_s"] = result.prefetch.read_s
-                times["prefetch_wait_s"] = result.prefetch.wait_s
-                times["prefetch_depth"] = float(result.prefetch.depth)
-                times["prefetch_rows_skipped"] = float(result.prefetch.rows_skipped)
-                for entry in result.prefetched:
-                    self.store.promote(entry)
-            return planned, result
-        raise AssertionError("unreachable")
-
-    def _preload_depth(self, planned: PlannedRequest) -> int:
-        """Cache-Craft's preload depth for this plan, from the costs measured so far."""
-        lazy = sum(len(s) for s in planned.plan.spans if s.cached is not None and s.cached.reader is not None)
-        if not lazy or self.costs.compute is None or "disk" not in self.costs.load:
-            return 1
-        layers = self.runner.num_layers
-        computed = sum(len(s) for s in planned.plan.spans if s.mode == "fresh") + 0.15 * lazy
-        return preload_depth(layers, self.costs.compute * computed / layers, self.costs.load["disk"] * lazy / layers)
-
-    def _observe_costs(self, result: PrefillResult, prefill_s: float) -> None:
-        self.costs.observe_load("ram", result.load_s, result.loaded_tokens)
-        waited = result.prefetch.wait_s if result.prefetch is not None else 0.0
-        self.costs.observe_compute(prefill_s - result.load_s - waited,
-                                   result.token_layers_computed / self.runner.num_layers)
-        if result.prefetch is not None:
-            self.costs.observe_load("disk", result.prefetch.read_s, result.prefetch.tokens)
+        replan = (lambda: self._plan(prompt, policy, tenant, lazy=False)) if prompt is not None else None
+        return self.prefill_stage.run(planned, policy, capacity, times, replan)
 
     def _request_stats(self, planned: PlannedRequest, result: PrefillResult, ttft: float, policy: Policy,
                        times: dict[str, float]) -> GenerationStats:
