@@ -1,0 +1,94 @@
+"""The planner against an in-memory reuse state, without an Engine: it decides from what the
+store and the indexes hold, and (with misses computed in place) computes and writes nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from engine_sidecar.cachecraft import VariantIndex
+from engine_sidecar.conversation import ConversationStore
+from engine_sidecar.cptree import CPTree
+from engine_sidecar.engine_config import EngineConfig
+from engine_sidecar.keys import KeyFactory
+from engine_sidecar.planner import IN_CONTEXT, Planner
+from engine_sidecar.policies import parse_policy
+from engine_sidecar.prompt import PromptBuilder, Segment
+from engine_sidecar.reorder import ChunkAccessTable
+from engine_sidecar.store.chunk_store import ChunkStore
+from engine_sidecar.store.entry import CacheKey, ChunkKV
+from ragcache_integrations import Chunk, ChunkedPrompt
+
+CHUNKS = [Chunk(id="a", text="The Amazon river flows through Brazil into the Atlantic Ocean."),
+          Chunk(id="b", text="Mount Kilimanjaro in Tanzania is the highest mountain in Africa."),
+          Chunk(id="c", text="The Danube passes through ten countries in Europe.")]
+
+
+@dataclass
+class MemoryState:
+    """Everything planning reads, in memory; `precompute_chunk` must never run here."""
+
+    builder: PromptBuilder
+    keys: KeyFactory = field(default_factory=lambda: KeyFactory("model", "tokenizer", "isolated"))
+    config: EngineConfig = field(default_factory=EngineConfig)
+    store: ChunkStore = field(default_factory=lambda: ChunkStore(1 << 26, None, torch.device("cpu")))
+    variants: VariantIndex = field(default_factory=lambda: VariantIndex(4, 64))
+    conversations: ConversationStore = field(default_factory=ConversationStore)
+    access_table: ChunkAccessTable = field(default_factory=lambda: ChunkAccessTable(100))
+    cptree: CPTree = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cptree = CPTree(lambda node: self.store.contains(self.keys.for_node(node)))
+
+    def lookup(self, key: CacheKey) -> ChunkKV | None:
+        return self.store.get(key)
+
+    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
+        raise AssertionError("planning with misses computed in place must not compute")
+
+    def entry(self, token_ids: tuple[int, ...], tenant: str = "") -> ChunkKV:
+        n = len(token_ids)
+        return ChunkKV(torch.zeros(2, n, 1, 4), torch.zeros(2, n, 1, 4), torch.tensor(token_ids), None, tenant)
+
+
+@pytest.fixture
+def state(tiny_llama_dir) -> MemoryState:
+    return MemoryState(PromptBuilder.load(tiny_llama_dir))
+
+
+def _plan(state: MemoryState, policy: str = "cacheblend", tenant: str = ""):
+    prompt = ChunkedPrompt(chunks=CHUNKS, question="Which river reaches the Atlantic?")
+    return Planner(state).plan(prompt, parse_policy(policy), tenant, use_prefix_tree=True, dedup=True)
+
+
+def test_all_miss_plans_every_chunk_in_place_and_writes_nothing(state):
+    planned = _plan(state)
+    modes = [(s.kind, s.mode) for s in planned.plan.spans]
+    assert modes == [("prefix", "fresh"), ("chunk", "fresh"), ("chunk", "fresh"), ("chunk", "fresh"),
+                     ("question", "fresh")]
+    assert (planned.hits, planned.misses) == (0, 3)
+    assert [index for index, _, _ in planned.in_place] == [1, 2, 3]
+    assert state.store.stats().ram_entries == 0 and state.cptree.nodes() == 0 and state.cptree.roots() == 0
+
+
+def test_held_kv_is_fused_and_the_stored_prefix_is_exact(state):
+    assembled = state.builder.build(ChunkedPrompt(chunks=CHUNKS, question="q"))
+    prefix, b = assembled.segments[0], assembled.segments[2]
+    state.store.put(state.keys.for_tokens(prefix.token_ids, "", "exact"), state.entry(prefix.token_ids))
+    state.store.put(state.keys.for_tokens(b.token_ids, "", IN_CONTEXT), state.entry(b.token_ids))
+    planned = _plan(state)
+    assert [s.mode for s in planned.plan.spans] == ["exact", "fresh", "fuse", "fresh", "fresh"]
+    assert (planned.hits, planned.misses) == (1, 2)
+    # another tenant sees none of it
+    other = _plan(state, tenant="t2")
+    assert [s.mode for s in other.plan.spans] == ["fresh"] * 5
+
+
+def test_full_policy_plans_without_reading_the_store(state):
+    assembled = state.builder.build(ChunkedPrompt(chunks=CHUNKS, question="q"))
+    b = assembled.segments[2]
+    state.store.put(state.keys.for_tokens(b.token_ids, "", IN_CONTEXT), state.entry(b.token_ids))
+    planned = _plan(state, "full")
+    assert all(s.mode == "fresh" for s in planned.plan.spans) and planned.in_place == []
