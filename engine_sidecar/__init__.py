@@ -9,7 +9,15 @@ import os
 # effect when torch was imported before this package.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine_sidecar.engine import Engine  # noqa: E402, EngineConfig, GenerationStream
+try:
+    import torch  # noqa: E402, F401
+except ImportError as exc:  # the adapters install without it; the engine does not run without it
+    raise ImportError("the ragcache engine needs its `engine` extra: install torch==2.13.0 first (a CPU "
+                      "build, or the CUDA build you want), then `pip install 'ragcache[engine]'`") from exc
+
+from engine_sidecar.engine import Engine  # noqa: E402
+from engine_sidecar.engine_config import EngineConfig  # noqa: E402
 from engine_sidecar.errors import RagCacheError  # noqa: E402
+from engine_sidecar.sequence import GenerationStream  # noqa: E402
 
 __all__ = ["Engine", "EngineConfig", "GenerationStream", "RagCacheError"]

@@ -93,3 +93,17 @@ def test_engine_stages_take_only_wire_types_from_the_adapter_package():
                        if n.startswith("engine_sidecar") and not n.startswith(TOOLS)
                        for d in deps if d.startswith("ragcache_integrations") and d not in WIRE_TYPES)
     assert offenders == []
+
+
+def test_without_torch_the_adapters_import_and_the_engine_names_its_extra():
+    """The base install has no torch: the adapters and the client work, and the engine fails
+    with one line naming the extra (sys.modules['torch'] = None makes `import torch` fail)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nsys.modules['torch'] = None\n"
+            "import ragcache_integrations, ragcache_integrations.client, ragcache_integrations.langchain\n"
+            "try:\n    import engine_sidecar\nexcept ImportError as exc:\n    print(exc)\n"
+            "else:\n    raise SystemExit('engine_sidecar imported without torch')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "ragcache[engine]" in out.stdout and "torch==2.13.0" in out.stdout
