@@ -259,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--chunk-kv", choices=["precomputed", "in-context"], default="precomputed",
                      help="where the reused chunk KV comes from: precomputed by `warm` (per --convention), or "
                           "computed in place by an earlier request holding the same chunks in another order "
-                          "(last chunk first), as misses are on a live stream")
+                          "(last chunk first), as misses are on a live stream. Either way, KV an earlier "
+                          "question's request computed in place for a recurring passage is preferred over a "
+                          "precomputed copy (the engine's own order of lookups)")
     add_engine_arguments(fid)
     fid.set_defaults(func=cmd_bench_fidelity)
 
