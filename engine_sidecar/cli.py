@@ -253,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--max-tokens", type=int, default=32)
     fid.add_argument("--json", type=Path, default=None, help="write results JSON here")
     fid.add_argument("--no-transformers", action="store_true", help="skip timing transformers' own prefill")
+    fid.add_argument("--no-teacher-forced", action="store_true",
+                     help="skip the teacher-forced pass (each policy's next-token choices along full prefill's "
+                          "own answer: top-1 agreement and mean KL, steadier than ROUGE-L; one more prefill "
+                          "per policy and question)")
+    fid.add_argument("--baseline", default="cacheblend:0.15",
+                     help="policy every other one is compared with, per question, for the paired 95%% interval "
+                          "of the teacher-forced agreement difference (default cacheblend:0.15; reuse when "
+                          "it is not in --policies)")
     fid.add_argument("--follow-up", action="store_true",
                      help="measure turn 2 of a conversation per policy: each question, then the next record's "
                           "question over its own passages in the same conversation")

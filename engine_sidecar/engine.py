@@ -160,15 +160,27 @@ class Engine:
     def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
                        tenant: str = "", order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
         """Next-token logits after the prompt, and the prefill's stats (for fidelity checks)."""
+        logits, stats = self.teacher_forced_logits(prompt, [], policy, tenant, order)
+        return logits[0], stats
+
+    def teacher_forced_logits(self, prompt: ChunkedPrompt | dict, continuation: list[int],
+                              policy: str | Policy = "cacheblend", tenant: str = "",
+                              order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
+        """Logits [1 + len(continuation), vocab]: after the prompt, then after each token of
+        `continuation` fed back in turn (teacher forcing). Along full prefill's own answer this
+        compares a policy's next-token choices step by step, without free-running divergence."""
         prompt, _, pol = self.prep.prepare(prompt, None, policy, order, tenant)
         t0 = time.perf_counter()
-        self.prep.validate(prompt, 1)
+        self.prep.validate(prompt, len(continuation) + 1)
         with self._lock:
             planned = self._plan(prompt, pol, tenant)
-            planned, result = self._prefill(planned, pol, prompt, tenant, planned.plan.num_tokens, {})
+            capacity = planned.plan.num_tokens + len(continuation) + 1
+            planned, result = self._prefill(planned, pol, prompt, tenant, capacity, {})
             self.writer.commit(planned, result, tenant)
-        assert result.logits is not None
-        return result.logits, self._request_stats(planned, result, time.perf_counter() - t0, pol, {})
+            assert result.logits is not None
+            rows = [result.logits]
+            rows += [decode_step(self.runner, result.kv, token) for token in continuation]
+        return torch.stack(rows), self._request_stats(planned, result, time.perf_counter() - t0, pol, {})
 
     def measure_full_prefill(self, prompt: ChunkedPrompt | dict) -> float:
         """Seconds an ordinary full prefill of this prompt takes now, without touching the cache,

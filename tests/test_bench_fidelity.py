@@ -49,6 +49,16 @@ def test_fidelity_bench_runs_every_policy_family_and_writes_table_json_and_plot(
     assert result["policies"]["reuse"]["recompute_share"] == 0.0
     assert 0.0 < result["policies"]["cachetune:0.15"]["recompute_share"] < 0.5
     assert "| cachecraft:0.5 |" in out.with_suffix(".md").read_text()
+    # teacher-forced along full's answer: full agrees with itself, the others are compared with
+    # cacheblend:0.15 question by question
+    full = result["policies"]["full"]
+    assert full["tf_agreement"] == 1.0 and abs(full["tf_kl"]) < 1e-6
+    for name, m in result["policies"].items():
+        assert 0.0 <= m["tf_agreement"] <= 1.0 and m["tf_kl"] >= -1e-6
+        if name != "cacheblend:0.15":
+            delta = m["tf_agreement_delta"]
+            assert delta["vs"] == "cacheblend:0.15" and delta["ci95"][0] <= delta["mean"] <= delta["ci95"][1]
+    assert "Teacher-forced along full prefill's answer" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

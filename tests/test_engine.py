@@ -262,3 +262,15 @@ def test_clear_cache_with_a_tenant_touches_only_that_tenant(tiny_engine):
     assert tiny_engine.warm(PASSAGES, tenant="a") == 1 and tiny_engine.warm(PASSAGES, tenant="b") == 0
     assert tiny_engine.clear_cache(tenant="b") >= 3
     assert tiny_engine.warm(PASSAGES, tenant="a") == 0 and tiny_engine.warm(PASSAGES, tenant="b") == 3
+
+
+def test_teacher_forced_logits_follow_the_answer_and_ratio_one_equals_full(tiny_engine):
+    """Along full prefill's own greedy answer, full's teacher-forced argmax is that answer, and
+    cacheblend at ratio 1.0 gives full's logits at every position."""
+    answer = tiny_engine.generate(prompt(), {"max_tokens": 6, "stop_token_ids": []}, policy="full").token_ids
+    full, _ = tiny_engine.teacher_forced_logits(prompt(), answer[:-1], policy="full")
+    assert full.shape[0] == len(answer) and full.argmax(-1).tolist() == answer
+    tiny_engine.warm(PASSAGES)
+    blended, stats = tiny_engine.teacher_forced_logits(prompt(), answer[:-1], policy="cacheblend:1.0")
+    assert stats.chunk_hits == 3
+    assert (full - blended).abs().max().item() <= 1e-4

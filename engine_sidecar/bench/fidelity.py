@@ -105,16 +105,19 @@ def run_fidelity(args: argparse.Namespace) -> int:
                                                            question=follow["question"], conversation_id=conversation),
                                              sampling, policy=policy)
                 row["policies"][policy] = {"text": result.text, "first_token": result.token_ids[:1],
+                                           "token_ids": result.token_ids,
                                            "ttft_s": result.stats.ttft_s,
                                            "computed_fraction": result.stats.computed_fraction,
                                            "recompute_share": result.stats.tokens_recomputed / max(
                                                1, result.stats.tokens_recomputed + result.stats.tokens_reused),
                                            "prompt_tokens": result.stats.prefill_tokens_total}
+            if follow is None and not getattr(args, "no_teacher_forced", False):
+                teacher_forced(engine, prompt, row, policies)
             if hf_model is not None and follow is None:
                 ids = engine.builder.build(prompt).token_ids
                 row["transformers_prefill_s"] = _transformers_prefill_s(hf_model, ids)
             rows.append(row)
-    summary = summarize(rows, policies)
+    summary = summarize(rows, policies, getattr(args, "baseline", "cacheblend:0.15"))
     if not rows:
         raise InvalidPromptError("--follow-up needs at least two questions (--n 2 or more)")
     config = {"data": str(args.data), "n": len(rows), "k": args.k, "max_tokens": args.max_tokens,
@@ -131,6 +134,22 @@ def run_fidelity(args: argparse.Namespace) -> int:
         plot = scatter_plot(summary, config, args.json.with_suffix(".png"))
         console.print("wrote " + ", ".join(str(p) for p in [*written, *([plot] if plot else [])]))
     return 0
+
+
+def teacher_forced(engine: Any, prompt: ChunkedPrompt, row: dict[str, Any], policies: list[str]) -> None:
+    """Each policy's next-token distributions along full prefill's own answer (fed back token by
+    token): top-1 agreement with full's and mean KL(full || policy) per answer position."""
+    answer = row["policies"]["full"]["token_ids"]
+    if not answer:
+        return
+    reference = engine.teacher_forced_logits(prompt, answer[:-1], policy="full")[0].float().log_softmax(-1)
+    for policy in policies:
+        logprobs = reference if policy == "full" else (
+            engine.teacher_forced_logits(prompt, answer[:-1], policy=policy)[0].float().log_softmax(-1))
+        agreement = (logprobs.argmax(-1) == reference.argmax(-1)).float().mean()
+        kl = (reference.exp() * (reference - logprobs)).sum(-1).mean()
+        row["policies"][policy]["tf_agreement"] = float(agreement)
+        row["policies"][policy]["tf_kl"] = float(kl)
 
 
 def scatter_plot(summary: dict[str, dict[str, float]], config: dict[str, Any], path: Path) -> Path | None:
@@ -161,9 +180,12 @@ def scatter_plot(summary: dict[str, dict[str, float]], config: dict[str, Any], p
     return path
 
 
-def summarize(rows: list[dict[str, Any]], policies: list[str]) -> dict[str, dict[str, float]]:
+def summarize(rows: list[dict[str, Any]], policies: list[str],
+              baseline: str = "cacheblend:0.15") -> dict[str, dict[str, Any]]:
     full_ttft = statistics.median(r["policies"]["full"]["ttft_s"] for r in rows)
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
+    base = baseline if baseline in policies else "reuse" if "reuse" in policies else None
+    forced = [r for r in rows if all("tf_agreement" in r["policies"][p] for p in policies)]
     for policy in policies:
         per = [(r, r["policies"][policy]) for r in rows]
         ttft = statistics.median(p["ttft_s"] for _, p in per)
@@ -181,6 +203,16 @@ def summarize(rows: list[dict[str, Any]], policies: list[str]) -> dict[str, dict
             "computed_fraction": statistics.mean(p["computed_fraction"] for _, p in per),
             "recompute_share": statistics.mean(p.get("recompute_share", 0.0) for _, p in per),
         }
+        if forced:
+            agreement = [r["policies"][policy]["tf_agreement"] for r in forced]
+            out[policy]["tf_agreement"] = statistics.mean(agreement)
+            out[policy]["tf_agreement_ci95"] = list(bootstrap_ci(agreement))
+            out[policy]["tf_kl"] = statistics.mean(r["policies"][policy]["tf_kl"] for r in forced)
+            if base is not None and policy != base:
+                # paired: the per-question difference, so question difficulty cancels out
+                diffs = [r["policies"][policy]["tf_agreement"] - r["policies"][base]["tf_agreement"] for r in forced]
+                out[policy]["tf_agreement_delta"] = {"vs": base, "mean": statistics.mean(diffs),
+                                                     "ci95": list(bootstrap_ci(diffs))}
     return out
 
 
@@ -199,6 +231,19 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
         lines.append(f"| {name} | {m['em']:.2f} | {m['f1']:.3f} | {m['rouge_l_vs_full']:.3f} ({lo:.2f}-{hi:.2f}) | "
                      f"{m['first_token_agreement']:.2f} | {m['ttft_median_s']:.3f} | {m['ttft_ratio_vs_full']:.3f} | "
                      f"{m['computed_fraction']:.3f} | {m['recompute_share']:.3f} |")
+    forced = {name: m for name, m in summary.items() if "tf_agreement" in m}
+    if forced:
+        lines += ["", "Teacher-forced along full prefill's answer (each policy's next token at every answer "
+                  "position; Δ is paired per question):", "",
+                  "| policy | TF top-1 agreement (95% CI) | mean KL vs full | Δ agreement (95% CI) |",
+                  "|---|---|---|---|"]
+        for name, m in forced.items():
+            lo, hi = m["tf_agreement_ci95"]
+            delta = m.get("tf_agreement_delta")
+            shown = (f"{delta['mean']:+.3f} ({delta['ci95'][0]:+.3f} to {delta['ci95'][1]:+.3f}) vs {delta['vs']}"
+                     if delta else "baseline" if any(d.get("tf_agreement_delta", {}).get("vs") == name
+                                                      for d in forced.values()) else "-")
+            lines.append(f"| {name} | {m['tf_agreement']:.3f} ({lo:.2f}-{hi:.2f}) | {m['tf_kl']:.4f} | {shown} |")
     if "transformers_prefill_median_s" in config:
         lines.append("")
         lines.append(f"transformers' own prefill of the same prompts: median "
