@@ -2,9 +2,9 @@
 
 Sorting each query's chunks by these counts (descending, ties by id) lines the hot chunks up at
 the front in the same order across queries, so the engine's exact chunk-prefix reuse (CP-Tree)
-hits far more often. The engine keeps its own table (`order="frequency"`); the adapters keep
-this one when the order must also show to the app (LlamaIndex `source_nodes`, LangChain
-`context`). Standard library only, so the adapters never import torch for it.
+hits far more often. The engine keeps one instance (`order="frequency"`, keyed per tenant); the
+adapters keep their own when the order must also show to the app (LlamaIndex `source_nodes`,
+LangChain `context`). Standard library only, so the adapters never import torch for it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ PACKAGES = ("engine_sidecar", "ragcache_integrations")
 TOOLS = ("engine_sidecar.bench", "engine_sidecar.cli", "engine_sidecar.demo", "engine_sidecar.server",
          "engine_sidecar.engine_args", "engine_sidecar.adaptive")
 WIRE_TYPES = {"ragcache_integrations", "ragcache_integrations.types", "ragcache_integrations.api_models",
-              "ragcache_integrations.policy_registry"}
+              "ragcache_integrations.policy_registry", "ragcache_integrations.access_table"}
 
 
 def _modules() -> dict[str, Path]:
