@@ -9,9 +9,10 @@ import os
 import sys
 from pathlib import Path
 
+from engine_sidecar.bench.policy_specs import ORACLE_HELP, fidelity_policy_list_arg
 from engine_sidecar.engine_args import add_engine_arguments, engine_from_args
 from engine_sidecar.errors import RagCacheError
-from ragcache_integrations.policy_registry import DEFAULT_POLICY, policy_arg, policy_help, policy_list_arg
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, policy_arg, policy_help
 
 POLICY_HELP = policy_help()
 
@@ -248,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "set shipped in the fanoutqa wheel, assembled into passages; docs/benchmarks.md)")
     fid.add_argument("--n", type=int, default=20, help="number of questions")
     fid.add_argument("--k", type=int, default=4, help="chunks per question")
-    fid.add_argument("--policies", default="full,reuse,cacheblend:0.15,epic:16", type=policy_list_arg,
-                     help="comma list of " + POLICY_HELP)
+    fid.add_argument("--policies", default="full,reuse,cacheblend:0.15,epic:16", type=fidelity_policy_list_arg,
+                     help="comma list of " + POLICY_HELP + ORACLE_HELP)
     fid.add_argument("--max-tokens", type=int, default=32)
     fid.add_argument("--json", type=Path, default=None, help="write results JSON here")
     fid.add_argument("--no-transformers", action="store_true", help="skip timing transformers' own prefill")
@@ -270,6 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "(last chunk first), as misses are on a live stream. Either way, KV an earlier "
                           "question's request computed in place for a recurring passage is preferred over a "
                           "precomputed copy (the engine's own order of lookups)")
+    fid.add_argument("--no-divergence", action="store_true",
+                     help="skip the per-layer divergence report (the last prompt token's hidden state per layer vs "
+                          "full prefill's, taken during the teacher-forced pass at no extra prefill)")
+    fid.add_argument("--no-generate", action="store_true",
+                     help="measure policies other than full teacher-forced only (no free-running answer: no ROUGE-L, "
+                          "EM or F1 for them; first-token agreement from the forced pass's first position, TTFT from "
+                          "its prefill): one prefill per policy and question instead of two")
+    fid.add_argument("--noise-floor", action="store_true",
+                     help="also run full prefill in the other dtype (bf16 for an fp32 run, fp32 otherwise) as row "
+                          "'full@<dtype>': how often full itself changes its answer with precision")
     add_engine_arguments(fid)
     fid.set_defaults(func=cmd_bench_fidelity)
 

@@ -14,13 +14,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.progress import track
 
 from engine_sidecar.bench.datasets import chunk_texts
+from engine_sidecar.bench.divergence import capture_last_hidden, full_pass, layer_divergence, prefill_hidden
 from engine_sidecar.bench.metrics import bootstrap_ci, exact_match, rouge_l, token_f1
+from engine_sidecar.bench.oracle_policy import OraclePolicy
+from engine_sidecar.bench.policy_specs import is_oracle, oracle_ratio
 from engine_sidecar.bench.report import write_report
 from engine_sidecar.errors import InvalidPromptError
+from engine_sidecar.model.runner import ModelRunner
 from ragcache_integrations.types import ChunkedPrompt, SamplingParams
 
 
@@ -68,6 +73,12 @@ def run_fidelity(args: argparse.Namespace) -> int:
     if "full" not in policies:
         policies.insert(0, "full")
     sampling = SamplingParams(max_tokens=args.max_tokens)
+    no_generate = bool(getattr(args, "no_generate", False))
+    if no_generate and args.follow_up:
+        raise InvalidPromptError("--no-generate measures along full prefill's answer: not available with --follow-up")
+    if args.follow_up and (any(is_oracle(p) for p in policies) or getattr(args, "noise_floor", False)):
+        raise InvalidPromptError("oracle policies and --noise-floor need full prefill of the measured prompt: "
+                                 "not available with --follow-up")
     # Each question is asked once per policy: a CP-Tree would turn later policies' chunks into
     # exact prefix hits and blur what each fusion policy does on its own.
     args.no_prefix_tree = True
@@ -78,6 +89,12 @@ def run_fidelity(args: argparse.Namespace) -> int:
             from transformers import AutoModelForCausalLM
 
             hf_model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.runner.dtype).eval()
+        noise, noise_name = None, None
+        if getattr(args, "noise_floor", False):
+            # full prefill in the other precision: the same weights, no cache
+            other = "bfloat16" if engine.runner.dtype == torch.float32 else "float32"
+            noise = ModelRunner.load(engine.model_dir, device=str(engine.runner.device), dtype=other)
+            noise_name = f"full@{'bf16' if other == 'bfloat16' else 'fp32'}"
         # first-request costs off the clock, on text outside the data set: a passage of the set
         # would be stored in place here and reused exactly by its question
         engine.generate(ChunkedPrompt(chunks=["A warm-up passage, not part of any record."], question="warm-up"),
@@ -92,18 +109,27 @@ def run_fidelity(args: argparse.Namespace) -> int:
             measured = follow or record
             row: dict[str, Any] = {"index": i, "question": measured["question"],
                                    "answers": measured.get("answers", []), "policies": {}}
+            reference = None
+            if follow is None:
+                # one full prefill on the engine's runner gives full's answer, the teacher-forced
+                # reference along it, the per-layer reference hidden states and the oracle's KV
+                reference = full_reference(engine, prompt, args.max_tokens)
+                row["policies"]["full"] = reference["row"]
             for policy in policies:
+                if follow is None and (policy == "full" or no_generate):
+                    continue  # full: from full_reference; --no-generate: teacher-forced only
+                spec = make_policy(policy, reference)
                 if follow is None:
-                    result = engine.generate(prompt, sampling, policy=policy)
+                    result = engine.generate(prompt, sampling, policy=spec)
                 else:
                     # a two-turn conversation under this policy; turn 2 (the next record's
                     # question over its own passages) is measured
                     conversation = f"fidelity-{i}-{policy}"
                     engine.generate(prompt.model_copy(update={"conversation_id": conversation}), sampling,
-                                    policy=policy)
+                                    policy=spec)
                     result = engine.generate(ChunkedPrompt(chunks=chunk_texts(follow, args.k),
                                                            question=follow["question"], conversation_id=conversation),
-                                             sampling, policy=policy)
+                                             sampling, policy=spec)
                 row["policies"][policy] = {"text": result.text, "first_token": result.token_ids[:1],
                                            "token_ids": result.token_ids,
                                            "ttft_s": result.stats.ttft_s,
@@ -111,19 +137,25 @@ def run_fidelity(args: argparse.Namespace) -> int:
                                            "recompute_share": result.stats.tokens_recomputed / max(
                                                1, result.stats.tokens_recomputed + result.stats.tokens_reused),
                                            "prompt_tokens": result.stats.prefill_tokens_total}
-            if follow is None and not getattr(args, "no_teacher_forced", False):
-                teacher_forced(engine, prompt, row, policies)
+                if isinstance(spec, OraclePolicy):
+                    row["policies"][policy]["head_share"] = spec.head_share
+            if reference is not None and (no_generate or not getattr(args, "no_teacher_forced", False)):
+                teacher_forced(engine, prompt, row, policies, reference, not getattr(args, "no_divergence", False))
+            if noise is not None and reference is not None:
+                noise_floor(noise, engine, prompt, row, reference, noise_name, args.max_tokens)
             if hf_model is not None and follow is None:
                 ids = engine.builder.build(prompt).token_ids
                 row["transformers_prefill_s"] = _transformers_prefill_s(hf_model, ids)
             rows.append(row)
-    summary = summarize(rows, policies, getattr(args, "baseline", "cacheblend:0.15"))
+    measured = policies + [noise_name] if noise_name and rows and noise_name in rows[0]["policies"] else policies
+    summary = summarize(rows, measured, getattr(args, "baseline", "cacheblend:0.15"))
     if not rows:
         raise InvalidPromptError("--follow-up needs at least two questions (--n 2 or more)")
     config = {"data": str(args.data), "n": len(rows), "k": args.k, "max_tokens": args.max_tokens,
               "follow_up": bool(args.follow_up),
               "model": str(args.model), "dtype": args.dtype, "device": args.device, "policies": policies,
-              "convention": args.convention, "chunk_kv": getattr(args, "chunk_kv", "precomputed")}
+              "convention": args.convention, "chunk_kv": getattr(args, "chunk_kv", "precomputed"),
+              "noise_floor": noise_name, "generated": not no_generate}
     transformers_times = [r["transformers_prefill_s"] for r in rows if "transformers_prefill_s" in r]
     if transformers_times:
         config["transformers_prefill_median_s"] = statistics.median(transformers_times)
@@ -136,20 +168,89 @@ def run_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
-def teacher_forced(engine: Any, prompt: ChunkedPrompt, row: dict[str, Any], policies: list[str]) -> None:
+def full_reference(engine: Any, prompt: ChunkedPrompt, max_tokens: int) -> dict[str, Any]:
+    """Full prefill of the prompt as the engine assembles it, on the engine's runner (the same
+    executor and decode as `engine.generate(policy='full')`, nothing cached or read), greedy:
+    full's row of the table, plus the reference logits, hidden states and KV."""
+    ids = engine.builder.build(prompt).token_ids
+    ref = full_pass(engine.runner, ids, max_tokens, engine.eos_ids)
+    ref["row"] = {"text": engine.builder.decode(ref["token_ids"]), "first_token": ref["token_ids"][:1],
+                  "token_ids": ref["token_ids"], "ttft_s": ref["ttft_s"], "computed_fraction": 1.0,
+                  "recompute_share": 0.0, "prompt_tokens": len(ids)}
+    return ref
+
+
+def make_policy(spec: str, reference: dict[str, Any] | None) -> str | OraclePolicy:
+    """The policy to hand the engine: the spec itself, or for oracle:<r> a Policy object holding
+    full prefill's KV of this very prompt."""
+    if not is_oracle(spec):
+        return spec
+    if reference is None:
+        raise InvalidPromptError("oracle policies need full prefill of the measured prompt")
+    return OraclePolicy(oracle_ratio(spec), reference["keys_pre"], reference["values"])
+
+
+def _agreement(logprobs: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(reference || logprobs)) over answer positions."""
+    agreement = (logprobs.argmax(-1) == reference.argmax(-1)).float().mean()
+    kl = (reference.exp() * (reference - logprobs)).sum(-1).mean()
+    return float(agreement), float(kl)
+
+
+def teacher_forced(engine: Any, prompt: ChunkedPrompt, row: dict[str, Any], policies: list[str],
+                   reference: dict[str, Any], divergence: bool = True) -> None:
     """Each policy's next-token distributions along full prefill's own answer (fed back token by
-    token): top-1 agreement with full's and mean KL(full || policy) per answer position."""
+    token): top-1 agreement with full's and mean KL(full || policy) per answer position; with
+    `divergence`, the last prompt token's hidden state per layer against full prefill's (read
+    during the same prefill)."""
     answer = row["policies"]["full"]["token_ids"]
     if not answer:
         return
-    reference = engine.teacher_forced_logits(prompt, answer[:-1], policy="full")[0].float().log_softmax(-1)
+    ref_logprobs = reference["logits"].log_softmax(-1)
+    layers = engine.runner.num_layers
     for policy in policies:
-        logprobs = reference if policy == "full" else (
-            engine.teacher_forced_logits(prompt, answer[:-1], policy=policy)[0].float().log_softmax(-1))
-        agreement = (logprobs.argmax(-1) == reference.argmax(-1)).float().mean()
-        kl = (reference.exp() * (reference - logprobs)).sum(-1).mean()
-        row["policies"][policy]["tf_agreement"] = float(agreement)
-        row["policies"][policy]["tf_kl"] = float(kl)
+        if policy == "full":
+            target = row["policies"][policy]
+            logprobs, hidden = ref_logprobs, reference["hidden"]
+        else:
+            stamps: list[float] = []
+            spec = make_policy(policy, reference)
+            with capture_last_hidden(engine.runner, stamps) as captured:
+                started = time.perf_counter()
+                logits, stats = engine.teacher_forced_logits(prompt, answer[:-1], policy=spec)
+            logprobs, hidden = logits.float().log_softmax(-1), prefill_hidden(captured, layers)
+            if policy not in row["policies"]:
+                # not generated (--no-generate): what this pass shows instead. Its first position
+                # is greedy's first token; its prefill (to the last layer) stands in for TTFT
+                row["policies"][policy] = {
+                    "text": None, "first_token": [int(logits[0].argmax())], "token_ids": None,
+                    "ttft_s": stamps[layers - 1] - started, "computed_fraction": stats.computed_fraction,
+                    "recompute_share": stats.tokens_recomputed / max(1, stats.tokens_recomputed + stats.tokens_reused),
+                    "prompt_tokens": stats.prefill_tokens_total}
+                if isinstance(spec, OraclePolicy):
+                    row["policies"][policy]["head_share"] = spec.head_share
+            target = row["policies"][policy]
+        target["tf_agreement"], target["tf_kl"] = _agreement(logprobs, ref_logprobs)
+        if divergence:
+            target["divergence"] = layer_divergence(hidden, reference["hidden"])
+
+
+def noise_floor(runner: Any, engine: Any, prompt: ChunkedPrompt, row: dict[str, Any], reference: dict[str, Any],
+                name: str, max_tokens: int) -> None:
+    """Full prefill in the other precision (`runner`): its own greedy answer (ROUGE-L and first
+    token vs full's), then teacher-forced along full's answer (agreement, KL) and its per-layer
+    hidden state against full's: how much of a policy's deviation precision alone produces."""
+    ids = engine.builder.build(prompt).token_ids
+    answer = row["policies"]["full"]["token_ids"]
+    other = full_pass(runner, ids, max_tokens, engine.eos_ids, follow=answer[:-1] if answer else None)
+    entry: dict[str, Any] = {"text": engine.builder.decode(other["token_ids"]), "first_token": other["token_ids"][:1],
+                             "token_ids": other["token_ids"], "ttft_s": other["ttft_s"], "computed_fraction": 1.0,
+                             "recompute_share": 0.0, "prompt_tokens": len(ids)}
+    if answer:
+        entry["tf_agreement"], entry["tf_kl"] = _agreement(other["follow_logits"].log_softmax(-1),
+                                                           reference["logits"].log_softmax(-1))
+        entry["divergence"] = layer_divergence(other["hidden"], reference["hidden"])
+    row["policies"][name] = entry
 
 
 def scatter_plot(summary: dict[str, dict[str, float]], config: dict[str, Any], path: Path) -> Path | None:
@@ -161,15 +262,20 @@ def scatter_plot(summary: dict[str, dict[str, float]], config: dict[str, Any], p
         import matplotlib.pyplot as plt
     except ImportError:  # the bench extra is not installed: the table and JSON still stand
         return None
+    # ROUGE-L when every policy generated; teacher-forced agreement with --no-generate
+    key = "rouge_l_vs_full" if all(m.get("rouge_l_vs_full") is not None for m in summary.values()) else "tf_agreement"
+    if not all(m.get(key) is not None for m in summary.values()):
+        return None
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
     for i, (name, m) in enumerate(summary.items()):
-        ax.scatter(m["ttft_ratio_vs_full"], m["rouge_l_vs_full"], s=36)
+        ax.scatter(m["ttft_ratio_vs_full"], m[key], s=36)
         share = "all computed" if name == "full" else f"{m['recompute_share']:.2f}"
         # alternate label sides so neighbouring points stay readable
-        ax.annotate(f"{name} ({share})", (m["ttft_ratio_vs_full"], m["rouge_l_vs_full"]),
+        ax.annotate(f"{name} ({share})", (m["ttft_ratio_vs_full"], m[key]),
                     textcoords="offset points", xytext=(6, 4) if i % 2 else (6, -11), fontsize=8)
     ax.set_xlabel("TTFT / full prefill TTFT (median, lower is faster)")
-    ax.set_ylabel("ROUGE-L of the answer vs full prefill's")
+    ax.set_ylabel("ROUGE-L of the answer vs full prefill's" if key == "rouge_l_vs_full"
+                  else "teacher-forced top-1 agreement with full prefill")
     turn = ", turn 2 of conversations" if config.get("follow_up") else ""
     ax.set_title(f"{Path(str(config['data'])).stem}: {config['n']} questions, k={config['k']}{turn} "
                  "(recompute share in brackets)", fontsize=9)
@@ -189,12 +295,14 @@ def summarize(rows: list[dict[str, Any]], policies: list[str],
     for policy in policies:
         per = [(r, r["policies"][policy]) for r in rows]
         ttft = statistics.median(p["ttft_s"] for _, p in per)
-        rouge = [rouge_l(p["text"], r["policies"]["full"]["text"]) for r, p in per]
-        rouge_lo, rouge_hi = bootstrap_ci(rouge)
+        # answers generated (not with --no-generate, where only full's is)
+        texts = [(r, p) for r, p in per if p.get("text") is not None]
+        rouge = [rouge_l(p["text"], r["policies"]["full"]["text"]) for r, p in texts]
+        rouge_lo, rouge_hi = bootstrap_ci(rouge) if rouge else (None, None)
         out[policy] = {
-            "em": statistics.mean(exact_match(p["text"], r["answers"]) for r, p in per),
-            "f1": statistics.mean(token_f1(p["text"], r["answers"]) for r, p in per),
-            "rouge_l_vs_full": statistics.mean(rouge),
+            "em": statistics.mean(exact_match(p["text"], r["answers"]) for r, p in texts) if texts else None,
+            "f1": statistics.mean(token_f1(p["text"], r["answers"]) for r, p in texts) if texts else None,
+            "rouge_l_vs_full": statistics.mean(rouge) if rouge else None,
             "rouge_l_ci95": [rouge_lo, rouge_hi],
             "first_token_agreement": statistics.mean(
                 float(p["first_token"] == r["policies"]["full"]["first_token"]) for r, p in per),
@@ -213,6 +321,15 @@ def summarize(rows: list[dict[str, Any]], policies: list[str],
                 diffs = [r["policies"][policy]["tf_agreement"] - r["policies"][base]["tf_agreement"] for r in forced]
                 out[policy]["tf_agreement_delta"] = {"vs": base, "mean": statistics.mean(diffs),
                                                      "ci95": list(bootstrap_ci(diffs))}
+        diverged = [r["policies"][policy]["divergence"] for r in rows if "divergence" in r["policies"][policy]]
+        if diverged:
+            # per layer, averaged over questions
+            out[policy]["divergence"] = {
+                metric: [statistics.mean(d[metric][layer] for d in diverged) for layer in range(len(diverged[0][metric]))]
+                for metric in ("cosine_distance", "relative_l2")}
+        heads = [r["policies"][policy]["head_share"] for r in rows if "head_share" in r["policies"][policy]]
+        if heads:
+            out[policy]["oracle_head_share"] = statistics.mean(heads)
     return out
 
 
@@ -228,7 +345,11 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
     ]
     for name, m in summary.items():
         lo, hi = m.get("rouge_l_ci95", (m["rouge_l_vs_full"], m["rouge_l_vs_full"]))
-        lines.append(f"| {name} | {m['em']:.2f} | {m['f1']:.3f} | {m['rouge_l_vs_full']:.3f} ({lo:.2f}-{hi:.2f}) | "
+        if m["rouge_l_vs_full"] is None:  # not generated (--no-generate)
+            quality = "- | - | -"
+        else:
+            quality = f"{m['em']:.2f} | {m['f1']:.3f} | {m['rouge_l_vs_full']:.3f} ({lo:.2f}-{hi:.2f})"
+        lines.append(f"| {name} | {quality} | "
                      f"{m['first_token_agreement']:.2f} | {m['ttft_median_s']:.3f} | {m['ttft_ratio_vs_full']:.3f} | "
                      f"{m['computed_fraction']:.3f} | {m['recompute_share']:.3f} |")
     forced = {name: m for name, m in summary.items() if "tf_agreement" in m}
@@ -244,6 +365,7 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
                      if delta else "baseline" if any(d.get("tf_agreement_delta", {}).get("vs") == name
                                                       for d in forced.values()) else "-")
             lines.append(f"| {name} | {m['tf_agreement']:.3f} ({lo:.2f}-{hi:.2f}) | {m['tf_kl']:.4f} | {shown} |")
+    lines += divergence_table(summary)
     if "transformers_prefill_median_s" in config:
         lines.append("")
         lines.append(f"transformers' own prefill of the same prompts: median "
@@ -251,3 +373,29 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
                      f"{summary['full']['ttft_median_s']:.3f} s (ratio "
                      f"{summary['full']['ttft_median_s'] / config['transformers_prefill_median_s']:.2f})")
     return "\n".join(lines)
+
+
+def shown_layers(num_layers: int) -> list[int]:
+    """Every layer of a shallow model; of a deep one the first four, every fourth, and the last."""
+    if num_layers <= 12:
+        return list(range(num_layers))
+    return sorted({0, 1, 2, 3, *range(3, num_layers, 4), num_layers - 1})
+
+
+def divergence_table(summary: dict[str, dict[str, Any]]) -> list[str]:
+    diverged = {name: m["divergence"] for name, m in summary.items() if "divergence" in m}
+    if not diverged:
+        return []
+    layers = shown_layers(len(next(iter(diverged.values()))["relative_l2"]))
+    lines = ["", "Per-layer divergence of the last prompt token's hidden state from full prefill's (mean over "
+             "questions; relative L2 |h - h_full| / |h_full|, cosine distance in brackets):", "",
+             "| policy | " + " | ".join(f"layer {layer}" for layer in layers) + " |",
+             "|---|" + "---|" * len(layers)]
+    for name, d in diverged.items():
+        cells = [f"{d['relative_l2'][layer]:.3f} ({d['cosine_distance'][layer]:.3f})" for layer in layers]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    heads = {name: m["oracle_head_share"] for name, m in summary.items() if "oracle_head_share" in m}
+    for name, share in heads.items():
+        lines.append("")
+        lines.append(f"{name}: {share:.2f} of its picks sit in the first 16 tokens of their chunk")
+    return lines

@@ -1,0 +1,49 @@
+"""Policy specs `ragcache bench fidelity` accepts: the registry's, plus the bench-only
+`oracle:<ratio>` (engine_sidecar/bench/oracle_policy.py). No torch here: the CLI checks
+`--policies` while it builds its parser."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine_sidecar.errors import InvalidPromptError
+from ragcache_integrations.policy_registry import policy_arg
+
+ORACLE = "oracle"
+
+
+def is_oracle(spec: str) -> bool:
+    return spec.strip().split(":", 1)[0] == ORACLE
+
+
+def oracle_ratio(spec: str) -> float:
+    """The ratio of 'oracle:<ratio>' (in [0, 1])."""
+    name, _, value = spec.strip().partition(":")
+    if name != ORACLE:
+        raise InvalidPromptError(f"not an oracle policy: {spec!r}")
+    try:
+        ratio = float(value)
+    except ValueError:
+        raise InvalidPromptError(f"oracle needs a ratio in [0, 1], as in oracle:0.15 (got {spec!r})") from None
+    if not 0.0 <= ratio <= 1.0:
+        raise InvalidPromptError(f"oracle ratio must be in [0, 1], got {ratio}")
+    return ratio
+
+
+def fidelity_policy_list_arg(text: str) -> str:
+    """argparse `type=` for `bench fidelity --policies`: registry policies and oracle:<ratio>."""
+    for spec in (s.strip() for s in text.split(",")):
+        if not spec:
+            continue
+        if is_oracle(spec):
+            try:
+                oracle_ratio(spec)
+            except InvalidPromptError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+        else:
+            policy_arg(spec)
+    return text
+
+
+ORACLE_HELP = ("; bench only: oracle:<ratio> recomputes the fused tokens whose reused KV differs most from full "
+               "prefill's (needs full prefill's KV of the same prompt: a reference point, not a deployable policy)")
