@@ -104,6 +104,7 @@ def fused_prefill(
         if span.mode == "fuse":
             fused[span.start : span.end] = True
 
+    probe_token_layers = policy.prepare(runner, plan)  # model work before layer 0 (prophet's question probe)
     active_mask = policy.initial_active(plan) | ~has_cache
     # tokens active from layer 0 that stay active never read their cached rows: skip them
     skip = active_mask if policy.keeps_initial_active else None
@@ -116,7 +117,7 @@ def fused_prefill(
     active = active_mask.nonzero().squeeze(1).to(device)
     must_keep = (~has_cache)[active.cpu()].to(device)
     hidden = runner.embed(ids[active])
-    token_layers = 0
+    token_layers = probe_token_layers
     # per active set (it changes only where a policy shrinks it): its positions and RoPE tables
     cos_a, sin_a, query_pos = cos[active], sin[active], positions[active]
     window = runner.config.sliding_window

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.frequency import DEFAULT_CUTOFF, frequency_scores
 from engine_sidecar.plan import FusionPlan
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
+
+if TYPE_CHECKING:
+    from engine_sidecar.model.runner import ModelRunner
 
 
 @dataclass
@@ -77,6 +81,11 @@ class Policy:
     def refine(self, view: LayerView) -> torch.Tensor | None:
         """Bool mask [A] of tokens to keep, or None to keep all."""
         return None
+
+    def prepare(self, runner: ModelRunner, plan: FusionPlan) -> int:
+        """Work with the model before layer 0 (prophet's question probe); returns the
+        token-layers it computed, which count in the request's computed share. Most: none."""
+        return 0
 
 
 class FullPolicy(Policy):
@@ -298,6 +307,46 @@ class CacheCraftPolicy(Policy):
         return view.must_keep | ~unfocused[view.active.cpu()].to(view.active.device)
 
 
+class ProphetPolicy(Policy):
+    """Question-driven multi-layer selection (ProphetKV, A3; CacheClip windows): a probe runs the
+    question (and any fresh chunk) through every layer over the reused KV and scores each fused
+    token by the question's attention, normalized per head and averaged over layers
+    (`prophet.probe_scores`); the top-r fused tokens, each with `radius` neighbours on both sides,
+    are recomputed from layer 0 on every layer. The budget ceil(r x fused tokens) includes the
+    windows. At r = 1 every fused token is recomputed (full prefill) and no probe runs."""
+
+    name = "prophet"
+    needs_cached_kv = True  # the probe reads every cached layer before layer 0
+    keeps_initial_active = True
+
+    def __init__(self, ratio: float = 0.15, radius: int = 1, layers: int | None = None):
+        if not 0.0 <= ratio <= 1.0 or radius < 0:
+            raise InvalidPromptError(f"prophet ratio must be in [0, 1] and radius >= 0, got {ratio}, {radius}")
+        self.ratio, self.radius, self.layers = ratio, radius, layers
+        self.selected = torch.zeros(0, dtype=torch.bool)  # fused tokens picked for the last plan
+        self.probe_token_layers = 0
+        self._prepared_for: FusionPlan | None = None
+
+    def prepare(self, runner: ModelRunner, plan: FusionPlan) -> int:
+        from engine_sidecar.prophet import probe_scores, select_with_windows
+
+        fused = span_masks(plan)[0]
+        budget = min(math.ceil(self.ratio * int(fused.sum()) - 1e-9), int(fused.sum()))
+        self._prepared_for, self.probe_token_layers = plan, 0
+        if budget >= int(fused.sum()) or budget <= 0:  # all or nothing: no scores needed
+            self.selected = fused if budget > 0 else torch.zeros_like(fused)
+            return 0
+        scores, self.probe_token_layers = probe_scores(runner, plan, self.layers)
+        segments = [(s.start, s.end) for s in plan.spans if s.mode == "fuse"]
+        self.selected = select_with_windows(scores, fused, budget, self.radius, segments)
+        return self.probe_token_layers
+
+    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
+        if self._prepared_for is not plan:
+            raise AssertionError("prophet: prepare(runner, plan) must run before initial_active (fused_prefill does)")
+        return span_masks(plan)[1] | self.selected
+
+
 def parse_policy(spec: str) -> Policy:
     """A Policy from its spec ('cacheblend:0.3:gradual', 'epic:16', 'cachecraft:1:nostop', ...).
 
@@ -320,6 +369,8 @@ def parse_policy(spec: str) -> Policy:
         return blend
     if parsed.name == "focus":
         return FocusPolicy(float(value or 0.0))
+    if parsed.name == "prophet":
+        return ProphetPolicy(float(value or 0.0), radius=0 if parsed.option else 1)
     if parsed.name == "epic":
         return EpicPolicy(int(value or 0))
     if parsed.name == "cachetune":

@@ -71,6 +71,10 @@ POLICIES: tuple[PolicyEntry, ...] = (
                 "over three layers)", arg="ratio", default=0.15, auto=True, option="gradual"),
     PolicyEntry("focus", "the top-ratio fused tokens by the question's attention recomputed (default 0.15)",
                 arg="ratio", default=0.15),
+    PolicyEntry("prophet", "question-driven: a probe of the question over the reused KV at every layer scores "
+                "each fused token (attention normalized per head, averaged over layers); the top-ratio tokens, "
+                "each with one neighbour on either side, recomputed from layer 0 (default 0.15; nowindow: no "
+                "neighbours)", arg="ratio", default=0.15, option="nowindow"),
     PolicyEntry("epic", "EPIC: the first k tokens of each fused chunk recomputed (default 16)", arg="k", default=16),
     PolicyEntry("cachetune", "CacheTune: the top-ratio tokens of each chunk by low-frequency K/V energy recomputed "
                 "from layer 0 (default 0.15; auto as for cacheblend)", arg="ratio", default=0.15, auto=True),

@@ -1,0 +1,145 @@
+"""Question-driven multi-layer token selection (issue 16, part 3; ProphetKV, A3, CacheClip windows).
+
+A cheap probe runs first: the tokens without cached KV (the question, fresh chunks) go through
+every layer attending over the *reused* KV, exactly as under `reuse`. At each layer the question
+tokens' attention over the fused tokens is read out, normalized per head (each head's
+distribution over the fused tokens sums to 1, so one sharp head or a head that mostly looks at
+the system prompt does not dominate) and averaged over heads; layers are then averaged (each
+layer's scores sum to 1). The top fused tokens by that score, each with a small window of
+neighbours (CacheClip), are then recomputed from layer 0 on every layer; the rest keep their
+cached KV.
+
+The probe costs (question + fresh tokens) x layers token-layers, 1-2% of a RAG prompt; it is
+counted in the request's computed share. This module computes and selects; the Policy wrapper
+is `policies.ProphetPolicy`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine_sidecar.plan import FusionPlan
+from ragcache_kernels.attention import position_mask
+from ragcache_kernels.dispatch import selective_attention
+from ragcache_kernels.rope import apply_rope
+
+if TYPE_CHECKING:
+    from engine_sidecar.model.runner import ModelRunner
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                     fused: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+    """Per key [n]: the readers' attention on the fused keys, normalized per head.
+
+    q [R, H, D] rotated queries of the reading tokens, k [n, Hkv, D] rotated keys of every token,
+    fused [n] bool. Each head's softmax over the visible keys is averaged over the readers,
+    restricted to the fused keys and rescaled to sum to 1 there (a head with no mass on fused
+    keys contributes nothing); heads are then averaged, so the result sums to 1 over the fused
+    keys (0 elsewhere) unless no head sees a fused key."""
+    k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    logits = torch.einsum("rhd,khd->hrk", q.float(), k) / math.sqrt(q.shape[-1])
+    visible = position_mask(query_pos, key_pos, sliding_window)
+    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num_(0.0)
+    per_head = probs.mean(dim=1) * fused.to(probs.device)  # [H, n]
+    total = per_head.sum(dim=1, keepdim=True)
+    per_head = torch.where(total > 0, per_head / total.clamp_min(1e-30), per_head)
+    return per_head.mean(dim=0)
+
+
+def reader_mask(plan: FusionPlan) -> torch.Tensor:
+    """Bool [T]: the question's tokens; without a question span, the last computed span's tokens."""
+    readers = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    for span in plan.spans:
+        if span.kind == "question":
+            readers[span.start : span.end] = True
+    if not bool(readers.any()):
+        for span in reversed(plan.spans):
+            if span.mode == "fresh" or span.cached is None:
+                readers[span.start : span.end] = True
+                break
+    return readers
+
+
+@torch.inference_mode()
+def probe_scores(runner: ModelRunner, plan: FusionPlan, layers: int | None = None) -> tuple[torch.Tensor, int]:
+    """(scores [T] over the fused tokens, token-layers computed) from a probe of the uncached
+    tokens over the reused KV in the first `layers` layers (all by default)."""
+    n = plan.num_tokens
+    device = runner.device
+    cached = torch.zeros(n, dtype=torch.bool)
+    fused = torch.zeros(n, dtype=torch.bool)
+    for span in plan.spans:
+        if span.cached is not None and span.mode != "fresh":
+            cached[span.start : span.end] = True
+            if span.cached.reader is not None:  # still on disk: the probe reads every layer now
+                span.cached.reader.read_into(span.cached)
+        if span.mode == "fuse":
+            fused[span.start : span.end] = True
+    computed = (~cached).nonzero().squeeze(1)
+    readers = reader_mask(plan)[computed]
+    depth = runner.num_layers if layers is None else max(0, min(layers, runner.num_layers))
+    scores = torch.zeros(n)
+    if not bool(fused.any()) or not bool(readers.any()) or depth == 0:
+        return scores, 0
+    c = runner.config
+    ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
+    positions = torch.arange(n, device=device)
+    cos, sin = runner.rope_tables(positions)
+    computed = computed.to(device)
+    readers = readers.to(device)
+    cos_c, sin_c, pos_c = cos[computed], sin[computed], positions[computed]
+    fused_d = fused.to(device)
+    hidden = runner.embed(ids[computed])
+    keys = torch.empty(n, c.num_kv_heads, c.head_dim, dtype=runner.dtype, device=device)
+    values = torch.empty_like(keys)
+    for layer in range(depth):
+        for span in plan.spans:
+            if span.cached is not None and span.mode != "fresh":
+                keys[span.start : span.end] = span.cached.keys[layer]
+                values[span.start : span.end] = span.cached.values[layer]
+        qkv = runner.qkv(layer, hidden)
+        keys[computed], values[computed] = qkv.k, qkv.v
+        rotated = apply_rope(keys, cos, sin)
+        q = apply_rope(qkv.q, cos_c, sin_c)
+        scores += attention_scores(q[readers], rotated, pos_c[readers], positions, fused_d,
+                                   c.sliding_window).cpu()
+        if layer + 1 < depth:  # the last probed layer's output is never read
+            attn = selective_attention(q, rotated, values, pos_c, positions, c.sliding_window)
+            hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn.reshape(attn.shape[0], -1)))
+    return scores / depth, int(computed.shape[0]) * depth
+
+
+def select_with_windows(scores: torch.Tensor, candidates: torch.Tensor, budget: int, radius: int,
+                        segments: list[tuple[int, int]]) -> torch.Tensor:
+    """Bool [T]: at most `budget` candidate tokens, taken in descending score order, each pick
+    with its neighbours within `radius` in the same segment (CacheClip's windows; a window that
+    would pass the budget is cut at it). radius 0 is a plain top-budget."""
+    chosen = torch.zeros(scores.shape[0], dtype=torch.bool)
+    budget = min(budget, int(candidates.sum()))
+    if budget <= 0:
+        return chosen
+    masked = scores.float().masked_fill(~candidates, float("-inf"))
+    if radius <= 0:
+        chosen[torch.topk(masked, budget).indices] = True
+        return chosen
+    segment_of = torch.full((scores.shape[0],), -1, dtype=torch.long)
+    for i, (s, e) in enumerate(segments):
+        segment_of[s:e] = i
+    order = torch.argsort(masked, descending=True, stable=True).tolist()
+    count = 0
+    for centre in order:
+        if count >= budget or not bool(candidates[centre]):
+            break
+        seg = int(segment_of[centre])
+        # the pick first, then its neighbours nearest first
+        for j in [centre] + [centre + d * s for d in range(1, radius + 1) for s in (-1, 1)]:
+            if count >= budget:
+                break
+            if 0 <= j < chosen.shape[0] and not bool(chosen[j]) and bool(candidates[j]) \
+                    and int(segment_of[j]) == seg:
+                chosen[j] = True
+                count += 1
+    return chosen

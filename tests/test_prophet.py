@@ -1,0 +1,215 @@
+"""prophet: question-driven multi-layer selection. Scores and windows on hand-computed cases, the
+probe against the question's attention in a real `reuse` pass, the budget and the token-layer
+count, the ratio-1.0 guard (== full prefill, also teacher-forced), and the grammar in the API."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine_sidecar.errors import InvalidPromptError
+from engine_sidecar.executor import fused_prefill
+from engine_sidecar.policies import ProphetPolicy, ReusePolicy, parse_policy, span_masks
+from engine_sidecar.prophet import attention_scores, probe_scores, reader_mask, select_with_windows
+from ragcache_integrations import ChunkedPrompt
+from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
+from ragcache_kernels.rope import apply_rope
+
+PASSAGES = [
+    "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
+    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres.",
+    "The Danube passes Vienna, Budapest and Belgrade before it reaches the Black Sea.",
+]
+QUESTION = "Which river reaches the Atlantic?"
+
+
+def test_attention_scores_by_hand_each_head_normalized_over_fused_keys():
+    # one reader at position 3; 2 heads, 2 KV heads, D = 1 (scale 1); key 0 is not fused.
+    # head 0: logits [0, ln2, 0, 0] -> probs [1, 2, 1, 1] / 5 -> on fused keys [2, 1, 1] / 4
+    # head 1: logits [0, 0, 0, ln3] -> probs [1, 1, 1, 3] / 6 -> on fused keys [1, 1, 3] / 5
+    q = torch.ones(1, 2, 1)
+    k = torch.tensor([[0.0, 0.0], [math.log(2), 0.0], [0.0, 0.0], [0.0, math.log(3)]]).unsqueeze(-1)
+    fused = torch.tensor([False, True, True, True])
+    scores = attention_scores(q, k, torch.tensor([3]), torch.arange(4), fused)
+    expected = torch.tensor([0.0, (0.5 + 0.2) / 2, (0.25 + 0.2) / 2, (0.25 + 0.6) / 2])
+    assert torch.allclose(scores, expected, atol=1e-6)
+
+
+def test_a_head_that_barely_looks_at_the_fused_keys_still_gets_an_equal_vote():
+    # head 0 sends almost all its mass to key 0 (not fused) and the rest to key 1; head 1 spreads
+    # evenly over keys 1 and 2. Raw mass would rank key 2 first; per-head normalization ties
+    # key 1 (0.5 + 1.0 / 2) above key 2 (0.5 / 2).
+    q = torch.ones(1, 2, 1)
+    k = torch.tensor([[20.0, 0.0], [0.0, 0.0], [-50.0, 0.0]]).unsqueeze(-1)
+    fused = torch.tensor([False, True, True])
+    scores = attention_scores(q, k, torch.tensor([2]), torch.arange(3), fused)
+    assert torch.allclose(scores, torch.tensor([0.0, 0.75, 0.25]), atol=1e-5)
+
+
+def test_keys_after_the_reader_are_not_visible():
+    q = torch.ones(1, 1, 1)
+    k = torch.zeros(3, 1, 1)
+    scores = attention_scores(q, k, torch.tensor([1]), torch.arange(3), torch.tensor([True, True, True]))
+    assert torch.allclose(scores, torch.tensor([0.5, 0.5, 0.0]))
+
+
+def test_windows_by_hand():
+    scores = torch.tensor([0.0, 0.1, 0.9, 0.2, 0.3, 0.8, 0.0, 0.05])
+    candidates = torch.tensor([False, True, True, True, True, True, True, True])
+    segments = [(1, 5), (5, 8)]
+    # radius 0: plain top-3 -> 2, 5, 4
+    plain = select_with_windows(scores, candidates, 3, 0, segments)
+    assert plain.nonzero().squeeze(1).tolist() == [2, 4, 5]
+    # radius 1, budget 5: pick 2 with 1 and 3; pick 5 with 6 (4 is in the other segment) -> 5 tokens
+    windowed = select_with_windows(scores, candidates, 5, 1, segments)
+    assert windowed.nonzero().squeeze(1).tolist() == [1, 2, 3, 5, 6]
+    # the budget cuts a window: 2 then 1 (nearest neighbour on the left first)
+    assert select_with_windows(scores, candidates, 2, 1, segments).nonzero().squeeze(1).tolist() == [1, 2]
+    # never more than the candidates, never a non-candidate
+    everything = select_with_windows(scores, candidates, 100, 2, segments)
+    assert torch.equal(everything, candidates)
+
+
+def test_grammar_parses_and_rejects():
+    policy = parse_policy("prophet:0.3")
+    assert isinstance(policy, ProphetPolicy) and policy.ratio == 0.3 and policy.radius == 1
+    assert parse_policy("prophet::nowindow").radius == 0 and parse_policy("prophet").ratio == 0.15
+    assert parse_policy_spec("prophet:0.2:nowindow").option
+    for bad in ("prophet:auto", "prophet:1.5", "prophet:-0.1", "prophet:0.2:gradual", "prophet:0.2:nowindow:x"):
+        with pytest.raises(PolicySpecError):
+            parse_policy_spec(bad)
+        with pytest.raises(InvalidPromptError):
+            parse_policy(bad)
+
+
+def _plan(engine, prompt: ChunkedPrompt, policy):
+    prompt, _, pol = engine.prep.prepare(prompt, None, policy, "preserve", "")
+    return engine._plan(prompt, pol, "").plan
+
+
+def test_ratio_one_equals_full_prefill_also_teacher_forced(tiny_engine):
+    prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
+    full, _ = tiny_engine.prefill_logits(prompt, policy="full")
+    answer = [int(full.argmax()), 11, 42, 7]
+    full_tf, _ = tiny_engine.teacher_forced_logits(prompt, answer, policy="full")
+    tiny_engine.warm(PASSAGES)
+    one, stats = tiny_engine.prefill_logits(prompt, policy="prophet:1.0")
+    assert stats.chunk_hits == 3
+    assert (full - one).abs().max().item() <= 1e-4
+    one_tf, _ = tiny_engine.teacher_forced_logits(prompt, answer, policy="prophet:1.0")
+    assert torch.equal(one_tf.argmax(-1), full_tf.argmax(-1))
+    assert (one_tf - full_tf).abs().max().item() <= 1e-4
+    reuse, _ = tiny_engine.prefill_logits(prompt, policy="reuse")
+    assert (reuse - full).abs().max().item() > 1e-3  # so the first check could fail
+
+
+@pytest.mark.parametrize("spec", ["prophet:0.2", "prophet:0.2:nowindow"])
+def test_budget_and_token_layers(tiny_engine, spec):
+    prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
+    tiny_engine.warm(PASSAGES)
+    _, stats = tiny_engine.prefill_logits(prompt, policy=spec)
+    spans = [(s["positions"][0], s["positions"][1], s["mode"]) for s in stats.plan]
+    fused = sum(e - s for s, e, mode in spans if mode == "fuse")
+    fresh = sum(e - s for s, e, mode in spans if mode == "fresh")
+    layers = tiny_engine.runner.num_layers
+    budget = math.ceil(0.2 * fused - 1e-9)
+    assert fused and stats.tokens_recomputed == budget
+    # the main pass computes the fresh tokens and the budget on every layer; the probe computes
+    # the fresh tokens (question, template) once more on every layer, and nothing else
+    assert stats.token_layers_computed == (fresh + budget) * layers + fresh * layers
+    assert stats.token_layers_computed <= (fresh + math.ceil(0.2 * fused)) * layers * 2
+
+
+def test_probe_reads_the_questions_attention_in_a_reuse_pass(tiny_engine):
+    """The probe's scores are the question's per-head-normalized attention over the fused tokens
+    in a plain `reuse` prefill, averaged over layers, and the policy picks the top of them."""
+    prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
+    tiny_engine.warm(PASSAGES)
+    plan = _plan(tiny_engine, prompt, "reuse")
+    runner = tiny_engine.runner
+    fused = span_masks(plan)[0]
+    readers = reader_mask(plan)
+    seen: list[torch.Tensor] = []
+
+    def observe(layer, q, active, keys):
+        r = readers[active.cpu()]
+        seen.append(attention_scores(q[r], keys, active[r], torch.arange(keys.shape[0]), fused))
+
+    fused_prefill(runner, plan, ReusePolicy(), observer=observe)
+    reference = torch.stack(seen).mean(dim=0)
+    scores, work = probe_scores(runner, plan)
+    assert torch.allclose(scores, reference, atol=1e-5)
+    uncached = torch.ones(plan.num_tokens, dtype=torch.bool)
+    for span in plan.spans:
+        if span.cached is not None and span.mode != "fresh":
+            uncached[span.start : span.end] = False
+    assert work == int(uncached.sum()) * runner.num_layers
+    assert scores[~fused].abs().max().item() == 0.0 and abs(scores.sum().item() - 1.0) < 1e-4
+
+    policy = ProphetPolicy(0.1, radius=0)
+    policy.prepare(runner, plan)
+    picked = policy.selected
+    budget = math.ceil(0.1 * int(fused.sum()) - 1e-9)
+    assert int(picked.sum()) == budget and not bool((picked & ~fused).any())
+    # the picks are exactly the most-attended fused tokens
+    top = torch.topk(reference.masked_fill(~fused, -1.0), budget).indices
+    assert set(picked.nonzero().squeeze(1).tolist()) == set(top.tolist())
+
+
+def test_selection_picks_the_tokens_the_question_is_made_to_attend_to(tiny_engine):
+    """A constructed case: the cached keys of three tokens in the middle chunk are replaced, on
+    every layer, by the question's mean query turned back by their RoPE angle, so the question
+    attends to them sharply (the tiny random model's own attention is nearly flat). prophet picks
+    exactly those three, and with windows their neighbours."""
+    prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
+    tiny_engine.warm(PASSAGES)
+    plan = _plan(tiny_engine, prompt, "reuse")
+    runner = tiny_engine.runner
+    readers = reader_mask(plan)
+    queries: list[torch.Tensor] = []
+
+    def observe(layer, q, active, keys):
+        mean = q[readers[active.cpu()]].float().mean(dim=0)  # [H, D]
+        queries.append(mean.view(keys.shape[1], -1, mean.shape[-1]).mean(dim=1))  # [Hkv, D]
+
+    fused_prefill(runner, plan, ReusePolicy(), observer=observe)
+    middle = [s for s in plan.spans if s.mode == "fuse"][1]
+    local = [3, 10, len(middle) - 4]
+    targets = {middle.start + i for i in local}
+    for layer, q in enumerate(queries):
+        for i in local:
+            position = torch.tensor([-(middle.start + i)])
+            cos, sin = runner.rope_tables(position)
+            aligned = 8.0 * q / q.norm(dim=-1, keepdim=True) * math.sqrt(q.shape[-1])
+            middle.cached.keys[layer, i] = apply_rope(aligned[None], cos, sin)[0].to(middle.cached.keys.dtype)
+    fused = span_masks(plan)[0]
+    policy = ProphetPolicy(3 / int(fused.sum()), radius=0)
+    policy.prepare(runner, plan)
+    assert set(policy.selected.nonzero().squeeze(1).tolist()) == targets
+    windowed = ProphetPolicy(9 / int(fused.sum()), radius=1)
+    windowed.prepare(runner, plan)
+    assert set(windowed.selected.nonzero().squeeze(1).tolist()) == {t + d for t in targets for d in (-1, 0, 1)}
+
+
+def test_initial_active_without_prepare_is_an_error(tiny_engine):
+    tiny_engine.warm(PASSAGES)
+    plan = _plan(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
+    with pytest.raises(AssertionError, match="prepare"):
+        ProphetPolicy(0.2).initial_active(plan)
+
+
+@pytest.mark.parametrize("policy", ["prophet:0.25", "prophet:0.25:nowindow", "prophet"])
+def test_api_accepts_the_grammar(tiny_engine, policy):
+    from fastapi.testclient import TestClient
+
+    from engine_sidecar.server import ServerSettings, create_app
+
+    body = {"prompt": {"chunks": PASSAGES[:2], "question": QUESTION}, "sampling": {"max_tokens": 1}}
+    with TestClient(create_app(tiny_engine, ServerSettings(max_tokens=4))) as client:
+        assert client.post("/v1/generate", json={**body, "policy": policy}).status_code == 200
+        for bad in ("prophet:auto", "prophet:0.2:gradual", "prophet:2"):
+            error = client.post("/v1/generate", json={**body, "policy": bad})
+            assert error.status_code == 422 and error.json()["error"]["param"] == "policy"
+            assert "prophet[:ratio[:nowindow]]" in error.json()["error"]["message"]
