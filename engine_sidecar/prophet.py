@@ -108,7 +108,10 @@ def probe_scores(runner: ModelRunner, plan: FusionPlan, layers: int | None = Non
                                    c.sliding_window).cpu()
         if layer + 1 < depth:  # the last probed layer's output is never read
             attn = selective_attention(q, rotated, values, pos_c, positions, c.sliding_window)
-            hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn.reshape(attn.shape[0], -1)))
+            # the class's step, not the instance attribute: a wrapper observing the prefill's
+            # layers on the instance (bench fidelity's per-layer hidden-state capture and its
+            # TTFT stamps) must see the prefill proper, not the probe before it
+            hidden = type(runner).mlp(runner, layer, runner.attn_out(layer, hidden, attn.reshape(attn.shape[0], -1)))
     return scores / depth, int(computed.shape[0]) * depth
 
 

@@ -213,3 +213,15 @@ def test_api_accepts_the_grammar(tiny_engine, policy):
             error = client.post("/v1/generate", json={**body, "policy": bad})
             assert error.status_code == 422 and error.json()["error"]["param"] == "policy"
             assert "prophet[:ratio[:nowindow]]" in error.json()["error"]["message"]
+
+
+def test_the_probe_is_invisible_to_the_benchs_per_layer_capture(tiny_engine):
+    """bench fidelity reads the prefill's per-layer hidden states and TTFT stamps by wrapping
+    `runner.mlp` on the instance: the probe must not add rows to it."""
+    from engine_sidecar.bench.divergence import capture_last_hidden
+
+    tiny_engine.warm(PASSAGES)
+    plan = _plan(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
+    with capture_last_hidden(tiny_engine.runner) as rows:
+        fused_prefill(tiny_engine.runner, plan, ProphetPolicy(0.2))
+    assert len(rows) == tiny_engine.runner.num_layers
