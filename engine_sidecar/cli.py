@@ -278,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="measure policies other than full teacher-forced only (no free-running answer: no ROUGE-L, "
                           "EM or F1 for them; first-token agreement from the forced pass's first position, TTFT from "
                           "its prefill): one prefill per policy and question instead of two")
+    fid.add_argument("--max-minutes", type=float, default=None,
+                     help="stop starting new questions after this many minutes and report those measured (the JSON's "
+                          "config says how many of --n ran); rows are also appended to <json>.partial.jsonl as they "
+                          "finish")
     fid.add_argument("--noise-floor", action="store_true",
                      help="also run full prefill in the other dtype (bf16 for an fp32 run, fp32 otherwise) as row "
                           "'full@<dtype>': how often full itself changes its answer with precision")

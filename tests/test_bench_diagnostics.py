@@ -145,6 +145,9 @@ def test_bench_reports_divergence_oracle_and_noise_floor(tiny_llama_dir, tmp_pat
     noise = summary["full@bf16"]
     assert result["config"]["noise_floor"] == "full@bf16"
     assert 0.0 <= noise["tf_agreement"] <= 1.0 and 0.0 < max(noise["divergence"]["relative_l2"]) < 0.2
+    # rows are also kept one per line as questions finish (a run stopped early keeps them)
+    partial = [json.loads(line) for line in out.with_suffix(".partial.jsonl").read_text().splitlines()]
+    assert [r["question"] for r in partial] == [r["question"] for r in result["rows"]]
     md = out.with_suffix(".md").read_text()
     assert "Per-layer divergence" in md and "| full@bf16 |" in md and "of its picks sit in the first 16" in md
 

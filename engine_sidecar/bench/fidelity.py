@@ -9,6 +9,7 @@ engine's `full` is an honest baseline.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -74,6 +75,12 @@ def run_fidelity(args: argparse.Namespace) -> int:
         policies.insert(0, "full")
     sampling = SamplingParams(max_tokens=args.max_tokens)
     no_generate = bool(getattr(args, "no_generate", False))
+    budget_s = 60.0 * (getattr(args, "max_minutes", None) or 0.0)
+    started = time.perf_counter()
+    partial = args.json.with_suffix(".partial.jsonl") if args.json else None
+    if partial is not None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
     if no_generate and args.follow_up:
         raise InvalidPromptError("--no-generate measures along full prefill's answer: not available with --follow-up")
     if args.follow_up and (any(is_oracle(p) for p in policies) or getattr(args, "noise_floor", False)):
@@ -103,6 +110,9 @@ def run_fidelity(args: argparse.Namespace) -> int:
             follow = records[i + 1] if args.follow_up and i + 1 < len(records) else None
             if args.follow_up and follow is None:
                 break  # the last record has no next question to follow up with
+            if budget_s and rows and time.perf_counter() - started > budget_s:
+                console.print(f"--max-minutes reached after {len(rows)} questions")
+                break
             for rec in (record, follow) if follow is not None else (record,):
                 prepare_chunks(engine, rec, args.k, policies, getattr(args, "chunk_kv", "precomputed"))
             prompt = ChunkedPrompt(chunks=chunk_texts(record, args.k), question=record["question"])
@@ -147,6 +157,9 @@ def run_fidelity(args: argparse.Namespace) -> int:
                 ids = engine.builder.build(prompt).token_ids
                 row["transformers_prefill_s"] = _transformers_prefill_s(hf_model, ids)
             rows.append(row)
+            if partial is not None:  # one line per question, so a stopped run keeps what it measured
+                with partial.open("a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(row) + "\n")
     measured = policies + [noise_name] if noise_name and rows and noise_name in rows[0]["policies"] else policies
     summary = summarize(rows, measured, getattr(args, "baseline", "cacheblend:0.15"))
     if not rows:
@@ -155,7 +168,8 @@ def run_fidelity(args: argparse.Namespace) -> int:
               "follow_up": bool(args.follow_up),
               "model": str(args.model), "dtype": args.dtype, "device": args.device, "policies": policies,
               "convention": args.convention, "chunk_kv": getattr(args, "chunk_kv", "precomputed"),
-              "noise_floor": noise_name, "generated": not no_generate}
+              "noise_floor": noise_name, "generated": not no_generate, "n_requested": args.n,
+              "max_minutes": getattr(args, "max_minutes", None)}
     transformers_times = [r["transformers_prefill_s"] for r in rows if "transformers_prefill_s" in r]
     if transformers_times:
         config["transformers_prefill_median_s"] = statistics.median(transformers_times)
