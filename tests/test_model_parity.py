@@ -122,3 +122,23 @@ def test_tensors_the_runner_would_ignore_refuse_the_model(tmp_path, override):
     with pytest.raises(UnsupportedModelError, match="not supported") as info:
         ModelRunner.load(model_dir, device="cpu", dtype="float32")
     assert "bias" in str(info.value) and len(str(info.value).splitlines()) == 1
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns(tmp_path, monkeypatch, caplog):
+    import engine_sidecar.model.runner as runner_mod
+
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    amx = tmp_path / "amx"
+    amx.write_text("flags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert runner_mod.cpu_bf16_native(avx2) is False
+    assert runner_mod.cpu_bf16_native(amx) is True
+    assert runner_mod.cpu_bf16_native(tmp_path / "missing") is None
+    cpu = torch.device("cpu")
+    for native, warned in ((False, True), (True, False), (None, False)):
+        monkeypatch.setattr(runner_mod, "cpu_bf16_native", lambda native=native: native)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ragcache.model"):
+            assert runner_mod.resolve_dtype("bfloat16", cpu) == torch.bfloat16
+            assert runner_mod.resolve_dtype("float32", cpu) == torch.float32
+        assert any("emulated" in r.message for r in caplog.records) is warned

@@ -7,6 +7,7 @@ per-sequence (no batch axis): hidden [T, hidden], q [T, H, D], k/v [T, Hkv, D].
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from engine_sidecar.model.weights import LayerWeights, ModelWeights, load_weight
 from ragcache_kernels.dispatch import selective_attention
 from ragcache_kernels.rope import apply_rope, cos_sin, inv_frequencies
 
+log = logging.getLogger("ragcache.model")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -35,18 +37,30 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def cpu_bf16_native(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+    """Whether this CPU computes bf16 natively (AVX512-bf16 or AMX); None where unknown."""
+    try:
+        flags = set(cpuinfo.read_text(encoding="utf-8", errors="replace").split())
+    except OSError:
+        return None
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        # fp32 on CPU. bf16 prefill is ~1.5-2.8x faster here (AVX512-bf16) and its full-prefill
-        # answers match fp32's closely (ROUGE-L 0.99), but fused answers lose a little more
-        # (cacheblend:0.15 ROUGE-L 0.70 vs 0.75 on 10 MuSiQue questions): docs/benchmarks.md,
-        # "Prefill speed (issue 14)". Pass dtype="bfloat16" for speed.
+        # fp32 on CPU. On CPUs with AVX512-bf16/AMX bf16 prefill is ~1.5-2.8x faster and its
+        # full-prefill answers match fp32's closely (ROUGE-L 0.99), but fused answers lose a
+        # little more (cacheblend:0.15 ROUGE-L 0.70 vs 0.75 on 10 MuSiQue questions); on
+        # AVX2-only CPUs bf16 is emulated and ~6x slower (docs/benchmarks.md, "Prefill speed").
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise UnsupportedDtypeError(f"unknown dtype '{dtype}': use auto, float32, bfloat16 or float16")
     resolved = DTYPES[dtype]
     if resolved == torch.float16 and device.type == "cpu":
         raise UnsupportedDtypeError("float16 is not supported on CPU: use --dtype bfloat16 or float32")
+    if resolved == torch.bfloat16 and device.type == "cpu" and cpu_bf16_native() is False:
+        log.warning("bfloat16 on a CPU without AVX512-bf16 or AMX is emulated: prefill is several times "
+                    "slower than float32 here (measured ~6x on an AVX2 EPYC); use --dtype float32")
     return resolved
 
 
