@@ -234,7 +234,8 @@ class Planner:
                 fusable = policy.fuses and (isinstance(policy, CacheCraftPolicy)
                                             or self._fusable(seg, prefix, tenant))
                 threshold = engine.config.fusion_promote_threshold if fusable else engine.config.promote_threshold
-                if extending and tree_root is not None and self._promotable(chunk_segs[: i + 1], threshold, tenant):
+                if (extending and tree_root is not None and threshold is not None
+                        and self._promotable(chunk_segs[: i + 1], threshold, tenant)):
                     # computed with full attention after exact KV: exact, so it becomes a node
                     # (proposed here, inserted by the engine after the prefill stored its KV)
                     node = engine.cptree.propose(parent, tree_root, tree_digests[i], seg.chunk_id, tenant)

@@ -69,6 +69,16 @@ def test_fusion_waits_for_a_higher_count_before_paying_for_a_node(tiny_llama_dir
     assert seen == [["fresh", "fresh"], ["fuse", "fuse"], ["fresh", "fuse"]]
 
 
+def test_by_default_a_chunk_fusion_holds_is_never_computed_again(tiny_llama_dir, tmp_path):
+    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv") as eng:
+        orders = [PASSAGES[:3]] + [[PASSAGES[2], PASSAGES[0], PASSAGES[1]]] * 6
+        seen = [modes(eng.generate(ask(order), {"max_tokens": 1}).stats) for order in orders]
+    assert seen[0] == ["fresh"] * 3
+    # however often the new order recurs (the CA-Table counts pass any promotion threshold),
+    # every chunk is reused: fused, or exact where it was computed after the same tokens
+    assert all("fresh" not in m for m in seen[1:]), seen
+
+
 def test_evicted_path_kv_is_never_used(engine):
     chunks = PASSAGES[:2]
     for _ in range(3):
