@@ -86,7 +86,7 @@ def test_grammar_parses_and_rejects():
 
 def _plan(engine, prompt: ChunkedPrompt, policy):
     prompt, _, pol = engine.prep.prepare(prompt, None, policy, "preserve", "")
-    return engine._plan(prompt, pol, "").plan
+    return engine.planning.plan(prompt, pol, "").plan
 
 
 def test_ratio_one_equals_full_prefill_also_teacher_forced(tiny_engine):

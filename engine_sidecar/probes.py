@@ -1,0 +1,71 @@
+"""Fidelity probes: a policy's logits along a given continuation, and what an ordinary full
+prefill costs now. They run under the engine lock between scheduler steps, outside any
+Sequence, so the benchmarks can compare policies token for token without sampling."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine_sidecar.executor import PrefillResult, decode_step, fused_prefill
+from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.plan import FusionPlan, PlanSpan
+from engine_sidecar.plan_stage import PlanStage
+from engine_sidecar.planner import PlannedRequest
+from engine_sidecar.policies import Policy, parse_policy
+from engine_sidecar.prompt import PromptBuilder
+from engine_sidecar.request_prep import RequestPreparer
+from engine_sidecar.stats import request_stats
+from ragcache_integrations.types import ChunkedPrompt, GenerationStats
+
+# the engine's prefill of a planned request, its result committed: (planned, policy, prompt,
+# tenant, capacity, stage times) -> (the plan it ran, possibly replanned, and the result)
+Prefill = Callable[[PlannedRequest, Policy, ChunkedPrompt, str, int, dict[str, float]],
+                   tuple[PlannedRequest, PrefillResult]]
+
+
+class FidelityProbes:
+    def __init__(self, runner: ModelRunner, builder: PromptBuilder, prep: RequestPreparer, lock: threading.RLock,
+                 planning: PlanStage, prefill: Prefill, convention: str):
+        self.runner, self.builder, self.prep, self.planning = runner, builder, prep, planning
+        self._lock = lock  # the engine's
+        self._prefill, self.convention = prefill, convention
+
+    def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
+                       tenant: str = "", order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
+        """Next-token logits after the prompt, and the prefill's stats (for fidelity checks)."""
+        logits, stats = self.teacher_forced_logits(prompt, [], policy, tenant, order)
+        return logits[0], stats
+
+    def teacher_forced_logits(self, prompt: ChunkedPrompt | dict, continuation: list[int],
+                              policy: str | Policy = "cacheblend", tenant: str = "",
+                              order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
+        """Logits [1 + len(continuation), vocab]: after the prompt, then after each token of
+        `continuation` fed back in turn (teacher forcing). Along full prefill's own answer this
+        compares a policy's next-token choices step by step, without free-running divergence."""
+        prompt, _, pol = self.prep.prepare(prompt, None, policy, order, tenant)
+        t0 = time.perf_counter()
+        self.prep.validate(prompt, len(continuation) + 1)
+        with self._lock:
+            planned = self.planning.plan(prompt, pol, tenant)
+            capacity = planned.plan.num_tokens + len(continuation) + 1
+            planned, result = self._prefill(planned, pol, prompt, tenant, capacity, {})
+            assert result.logits is not None
+            rows = [result.logits]
+            rows += [decode_step(self.runner, result.kv, token) for token in continuation]
+        stats = request_stats(planned, result, time.perf_counter() - t0, pol, {}, self.runner.num_layers,
+                              self.convention)
+        return torch.stack(rows), stats
+
+    def measure_full_prefill(self, prompt: ChunkedPrompt | dict) -> float:
+        """Seconds an ordinary full prefill of this prompt takes now, without touching the cache,
+        the CA-Table or conversations: the baseline a reuse figure is compared with."""
+        prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
+        ids = tuple(self.builder.build(prompt).token_ids)
+        with self._lock:
+            start = time.perf_counter()
+            fused_prefill(self.runner, FusionPlan([PlanSpan("question", 0, ids, "fresh")], "full"), parse_policy("full"))
+            return time.perf_counter() - start
