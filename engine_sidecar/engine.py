@@ -64,41 +64,42 @@ class Engine:
         self.model_dir = model_dir
         self.model_fp = model_fingerprint(model_dir, runner.dtype)
         self.tokenizer_fp = tokenizer_fingerprint(model_dir, builder.chat_template)
-        self.keys = KeyFactory(self.model_fp, self.tokenizer_fp, config.convention)
+        self.keys = KeyFactory(self.model_fp, self.tokenizer_fp, config.reuse.convention)
         self._lock = threading.RLock()
         self.eos_ids = eos_token_ids(runner.config.eos_token_ids, builder.tokenizer)
-        self.access_table = ChunkAccessTable(config.ca_window)
-        self.conversations = ConversationStore(config.conversation_ttl_s, config.conversation_max_tokens,
-                                               config.conversation_max_count, config.conversation_ram_bytes)
+        self.access_table = ChunkAccessTable(config.reuse.ca_window)
+        talks = config.conversations
+        self.conversations = ConversationStore(talks.ttl_s, talks.max_tokens, talks.max_count, talks.ram_bytes)
         self.planner = Planner(self)
-        self.variants = VariantIndex(config.cachecraft_variants_per_chunk, config.cachecraft_max_chunks)
+        self.variants = VariantIndex(config.reuse.cachecraft_variants_per_chunk, config.reuse.cachecraft_max_chunks)
         self.costs = CostMeter()
         self.prefill_stage = PrefillStage(runner, store, self.costs)
         store.on_disk_load = lambda seconds, tokens: self.costs.observe_load("disk", seconds, tokens)
-        self.cptree = CPTree(lambda node: self.store.contains(self.keys.for_node(node)), config.promote_threshold)
+        self.cptree = CPTree(lambda node: self.store.contains(self.keys.for_node(node)),
+                            config.reuse.promote_threshold)
         self.writer = ReuseWriter(store, self.keys, self.cptree, self.variants)
         self.precompute = Precomputer(runner, store, self.keys, self.writer, self._lock)
         self.prep = RequestPreparer(builder, self.access_table, store, self.keys, self.max_context)
         self.planning = PlanStage(self.planner, store, self.writer, self.costs, self.conversations, config)
         self.probes = FidelityProbes(runner, builder, self.prep, self._lock, self.planning, self._prefill,
-                                     config.convention)
+                                     config.reuse.convention)
         c = runner.config
         kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
-        self.scheduler = Scheduler(runner, self._lock, self._begin, self._complete, config.max_batch,
-                                   max(1, config.batch_kv_bytes // kv_row_bytes))
+        self.scheduler = Scheduler(runner, self._lock, self._begin, self._complete, config.batching.max_batch,
+                                   max(1, config.batching.kv_bytes // kv_row_bytes))
 
     @classmethod
     def from_pretrained(cls, model: str | Path = "default", device: str = "auto", dtype: str = "auto",
                         **options) -> Engine:
-        config = EngineConfig(model=str(model), device=device, dtype=dtype, **options)
+        config = EngineConfig.from_options(model=str(model), device=device, dtype=dtype, **options)
         if config.threads:
             torch.set_num_threads(config.threads)
         model_dir = resolve_model_dir(config.model)
         runner = ModelRunner.load(model_dir, device=device, dtype=dtype)
         builder = PromptBuilder.load(model_dir)
-        disk_dir = (config.cache_dir or default_cache_dir()) if config.disk else None
-        store = ChunkStore(config.ram_cache_bytes, Path(disk_dir) if disk_dir else None, runner.device,
-                           config.disk_cache_bytes)
+        tiers = config.store
+        disk_dir = (tiers.cache_dir or default_cache_dir()) if tiers.disk else None
+        store = ChunkStore(tiers.ram_bytes, Path(disk_dir) if disk_dir else None, runner.device, tiers.disk_bytes)
         return cls(runner, builder, store, config, model_dir)
 
     # --- identity ----------------------------------------------------------------------------
@@ -194,7 +195,7 @@ class Engine:
         seq.planned = planned
         assert result.logits is not None
         stats = request_stats(planned, result, time.perf_counter() - seq.t0, seq.policy, seq.times,
-                              self.runner.num_layers, self.config.convention)
+                              self.runner.num_layers, self.config.reuse.convention)
         return seq.begin_decoding(result.logits, result.kv, stats, self.builder.decode, self.eos_ids)
 
     def _complete(self, seq: Sequence) -> None:

@@ -32,10 +32,10 @@ class PlanStage:
         if isinstance(policy, CacheCraftPolicy):
             self.writer.load_variants()
         # policies that read every cached layer before layer 0 (CacheTune's scores) load eagerly
-        self.lazy_reads = lazy and self.config.prefetch and not policy.needs_cached_kv
+        self.lazy_reads = lazy and self.config.store.prefetch and not policy.needs_cached_kv
         try:
-            planned = self.planner.plan(prompt, policy, tenant, self.config.prefix_tree,
-                                        self.config.conversation_dedup)
+            planned = self.planner.plan(prompt, policy, tenant, self.config.reuse.prefix_tree,
+                                        self.config.conversations.dedup)
         finally:
             self.lazy_reads = False
         if policy.auto:

@@ -233,7 +233,8 @@ class Planner:
                 # of the chunk instead, so it waits for a higher access count.
                 fusable = policy.fuses and (isinstance(policy, CacheCraftPolicy)
                                             or self._fusable(seg, prefix, tenant))
-                threshold = engine.config.fusion_promote_threshold if fusable else engine.config.promote_threshold
+                reuse = engine.config.reuse
+                threshold = reuse.fusion_promote_threshold if fusable else reuse.promote_threshold
                 if (extending and tree_root is not None and threshold is not None
                         and self._promotable(chunk_segs[: i + 1], threshold, tenant)):
                     # computed with full attention after exact KV: exact, so it becomes a node
@@ -319,10 +320,10 @@ class Planner:
             span.cached = engine.lookup(key)
         if span.cached is not None:
             out.hits += 1
-        elif engine.config.precompute == "in-place":
+        elif engine.config.reuse.precompute == "in-place":
             out.misses += 1
             out.in_place.append((len(out.plan.spans), in_place_key, chain_before))
-        elif engine.config.precompute == "inline":
+        elif engine.config.reuse.precompute == "inline":
             started = time.perf_counter()
             span.cached, token_layers = engine.precompute_chunk(seg, prefix, tenant)
             out.precompute_s += time.perf_counter() - started
@@ -334,6 +335,6 @@ class Planner:
             out.background.append((seg, prefix))
         if span.cached is not None:
             # After-prefix KV of the first chunk was computed at exactly these positions.
-            exact = (from_precompute and engine.config.convention == "after-prefix"
+            exact = (from_precompute and engine.config.reuse.convention == "after-prefix"
                      and span.start == len(prefix.token_ids) and out.conversation is None)
             span.mode = "exact" if exact else "fuse"

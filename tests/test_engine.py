@@ -214,7 +214,7 @@ def test_bad_prompts_raise_clear_errors_and_cache_nothing(tiny_engine, bad, erro
     assert len(str(info.value).splitlines()) == 1
     tiny_engine.store.flush()
     assert tiny_engine.store.stats().ram_entries == 0
-    assert not list((tiny_engine.config.cache_dir or tiny_engine.store.disk.directory).rglob("*.tmp"))
+    assert not list((tiny_engine.config.store.cache_dir or tiny_engine.store.disk.directory).rglob("*.tmp"))
 
 
 @pytest.mark.parametrize("field", ["chunks", "question", "system"])

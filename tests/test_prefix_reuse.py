@@ -163,7 +163,7 @@ def test_kept_conversations_stay_within_their_count_and_byte_budget(tiny_llama_d
                                 conversation_ram_bytes=int(2.5 * one)) as eng:
         for i in range(5):
             eng.generate(ask(PASSAGES[:1], conversation_id=f"c{i}"), {"max_tokens": 2})
-            assert eng.conversations.bytes <= eng.config.conversation_ram_bytes
+            assert eng.conversations.bytes <= eng.config.conversations.ram_bytes
         assert len(eng.conversations) == 2
         # the most recent ones are kept: the next turn of c4 continues from its history
         follow = eng.generate(ask(PASSAGES[:1], "More?", "c4"), {"max_tokens": 2})

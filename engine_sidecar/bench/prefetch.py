@@ -67,7 +67,7 @@ def run_prefetch(args: argparse.Namespace) -> int:
                 for rep in range(args.repeats):
                     order = MODES if (i + rep) % 2 == 0 else MODES[::-1]
                     for mode in order:
-                        engine.config.prefetch = mode == "prefetch"
+                        engine.config.store.prefetch = mode == "prefetch"
                         engine.store.ram.clear()
                         evict_page_cache(cache_dir)
                         result = engine.generate(prompt, {"max_tokens": 1}, policy=args.policy)

@@ -91,9 +91,10 @@ def run_workload(args: argparse.Namespace) -> int:
     engines: dict[str, Engine] = {}
     for system in engine_systems:
         _, _, tree = engine_setup(system, args.ratio)
-        config = EngineConfig(model=str(model_dir), disk=False, prefix_tree=tree, precompute=args.precompute,
-                              ram_cache_bytes=int(args.ram_cache_gb * (1 << 30)))
-        engines[system] = Engine(runner, builder, ChunkStore(config.ram_cache_bytes, None, runner.device), config,
+        config = EngineConfig.from_options(model=str(model_dir), disk=False, prefix_tree=tree,
+                                           precompute=args.precompute,
+                                           ram_cache_bytes=int(args.ram_cache_gb * (1 << 30)))
+        engines[system] = Engine(runner, builder, ChunkStore(config.store.ram_bytes, None, runner.device), config,
                                  model_dir)
         engines[system].generate(ChunkedPrompt(question="warm up"), {"max_tokens": 1})
     vllm_systems = [s for s in systems if s.startswith("vllm")]
