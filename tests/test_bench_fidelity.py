@@ -93,3 +93,46 @@ def test_follow_up_mode_measures_turn_two_of_a_conversation(tiny_llama_dir, tmp_
     # turn 2 carries turn 1's history: its prompt is longer than the same question asked alone
     assert follow["rows"][0]["policies"]["full"]["prompt_tokens"] > single["rows"][1]["policies"]["full"]["prompt_tokens"]
     assert "turn 2 of a two-turn conversation" in (tmp_path / "follow.md").read_text()
+
+
+def _row(i: int, generated: bool) -> dict:
+    def entry(agreement: float, ttft: float, text: str | None) -> dict:
+        return {"text": text, "first_token": [1], "token_ids": [1, 2], "ttft_s": ttft, "computed_fraction": ttft,
+                "recompute_share": 0.0, "tf_agreement": agreement, "tf_kl": 1.0 - agreement}
+    return {"index": i, "question": f"q{i}", "answers": ["a"], "policies": {
+        "full": entry(1.0, 1.0, "the answer"),
+        "reuse": entry(0.5 + 0.01 * i, 0.1, "the answer" if generated else None),
+        "cacheblend:0.15": entry(0.6 + 0.01 * i, 0.25, "an answer" if generated else None),
+        **({"focus:0.15": entry(0.7, 0.25, "x")} if generated else {})}}
+
+
+def test_merge_partials_pools_runs_pairs_per_question_and_drops_text_of_mixed_runs(tmp_path):
+    from engine_sidecar.bench.fidelity import merge_partials
+
+    first, second = tmp_path / "a.partial.jsonl", tmp_path / "b.partial.jsonl"
+    first.write_text("".join(json.dumps(_row(i, True)) + "\n" for i in range(3)))
+    second.write_text("".join(json.dumps(_row(i, False)) + "\n" for i in range(3, 6)) + "\n")
+    out = tmp_path / "merged.json"
+    table = merge_partials([first, second], out)
+    report = json.loads(out.read_text())
+    assert report["config"]["n"] == 6 and report["config"]["generated"] is False
+    # focus:0.15 is missing from the second run's rows: left out
+    assert list(report["policies"]) == ["full", "reuse", "cacheblend:0.15"]
+    reuse = report["policies"]["reuse"]
+    assert reuse["rouge_l_vs_full"] is None  # text of the generated rows dropped, not a 3-row ROUGE-L
+    assert reuse["tf_agreement"] == pytest.approx(0.5 + 0.01 * 2.5)
+    # paired per question: reuse is 0.1 below cacheblend on every row, so the interval is a point
+    assert reuse["tf_agreement_delta"]["vs"] == "cacheblend:0.15"
+    assert reuse["tf_agreement_delta"]["mean"] == pytest.approx(-0.1)
+    assert reuse["tf_agreement_delta"]["ci95"] == pytest.approx([-0.1, -0.1])
+    assert reuse["ttft_ratio_vs_full"] == pytest.approx(0.1)
+    assert "6 questions" in table and "| reuse | - | - | - |" in table
+    # all generated: ROUGE-L kept; a dropped policy leaves the table
+    merge_partials([first], out, drop=("focus:0.15",))
+    report = json.loads(out.read_text())
+    assert list(report["policies"]) == ["full", "reuse", "cacheblend:0.15"]
+    assert report["policies"]["reuse"]["rouge_l_vs_full"] == pytest.approx(1.0)
+    empty = tmp_path / "empty.partial.jsonl"
+    empty.write_text("")
+    with pytest.raises(InvalidPromptError, match="no rows"):
+        merge_partials([empty])

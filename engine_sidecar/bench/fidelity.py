@@ -413,3 +413,50 @@ def divergence_table(summary: dict[str, dict[str, Any]]) -> list[str]:
         lines.append("")
         lines.append(f"{name}: {share:.2f} of its picks sit in the first 16 tokens of their chunk")
     return lines
+
+
+def merge_partials(paths: list[Path], out: Path | None = None, baseline: str = "cacheblend:0.15",
+                   drop: tuple[str, ...] = (), k: int = 4, max_tokens: int = 32) -> str:
+    """One table from the rows of several runs (their <json>.partial.jsonl files, or their JSON
+    reports), e.g. a run the --max-minutes cap stopped and a second one on the records after it:
+    the policies every row holds (minus `drop`), summarized as `bench fidelity` does (paired
+    bootstrap, fixed seed). Rows measured with generation and without (--no-generate) mix: ROUGE-L,
+    EM and F1 then cover the generated rows only, so their text is dropped unless all have it."""
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        text = Path(path).read_text(encoding="utf-8")
+        if Path(path).suffix == ".json":
+            rows += json.loads(text)["rows"]
+        else:
+            rows += [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not rows:
+        raise InvalidPromptError("no rows in " + ", ".join(str(p) for p in paths))
+    policies = [p for p in rows[0]["policies"] if p not in drop and all(p in r["policies"] for r in rows)]
+    generated = all(r["policies"][p].get("text") is not None for r in rows for p in policies)
+    if not generated:
+        for r in rows:
+            for p in policies:
+                if p != "full":
+                    r["policies"][p]["text"] = None
+    summary = summarize(rows, policies, baseline)
+    config = {"n": len(rows), "k": k, "max_tokens": max_tokens, "model": "(merged runs)",
+              "merged_from": [str(p) for p in paths], "generated": generated, "policies": policies}
+    table = markdown_table(summary, config)
+    if out is not None:
+        write_report(out, {"config": config, "policies": summary, "rows": rows}, table)
+    return table
+
+
+if __name__ == "__main__":  # python -m engine_sidecar.bench.fidelity OUT.json IN.partial.jsonl ... [--drop P,Q]
+    import sys
+
+    cli = argparse.ArgumentParser(description="merge bench fidelity rows of several runs into one table")
+    cli.add_argument("out", type=Path)
+    cli.add_argument("inputs", type=Path, nargs="+")
+    cli.add_argument("--baseline", default="cacheblend:0.15")
+    cli.add_argument("--drop", default="", help="comma list of policies to leave out")
+    cli.add_argument("--k", type=int, default=4, help="chunks per question of the runs (for the title)")
+    cli.add_argument("--max-tokens", type=int, default=32, help="answer tokens of the runs (for the title)")
+    ns = cli.parse_args(sys.argv[1:])
+    print(merge_partials(ns.inputs, ns.out, ns.baseline, tuple(p for p in ns.drop.split(",") if p), ns.k,
+                         ns.max_tokens))
