@@ -48,10 +48,44 @@ def selective_attention(
         pad = k.shape[0] - q.shape[0]
         padded = torch.cat([qh.new_zeros(1, qh.shape[1], pad, qh.shape[3]), qh], dim=2)
         out = F.scaled_dot_product_attention(padded, kh, vh, is_causal=True, enable_gqa=gqa)[:, :, pad:]
+    elif sliding_window is None and (groups := causal_groups(query_pos, key_pos)) is not None:
+        # Queries in position order over keys 0..Tk-1: each group of queries reads only the keys
+        # up to its last position (a query never sees a later key), so the masked product over
+        # keys no query of the group can see is skipped, as the causal kernel skips the upper
+        # triangle. Same result as one masked call; with queries spread over the prompt the work
+        # is about half (on 2.4k-token prompts, 40% of the tokens recomputed: 0.55x the time).
+        out = qh.new_empty(qh.shape)
+        for start, end in groups:
+            last = int(query_pos[end - 1]) + 1
+            mask = position_mask(query_pos[start:end], key_pos[:last])
+            out[:, :, start:end] = F.scaled_dot_product_attention(
+                qh[:, :, start:end], kh[:, :, :last], vh[:, :, :last], attn_mask=mask, enable_gqa=gqa)
     else:
         mask = position_mask(query_pos, key_pos, sliding_window)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)
+
+
+# Queries per group: below this the per-call overhead outweighs the keys a split skips.
+MIN_GROUP_QUERIES = 64
+MAX_GROUPS = 16
+
+
+def causal_groups(query_pos: torch.Tensor, key_pos: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Equal-size runs [start, end) of the queries when they are sorted by position and the keys
+    are positions 0..Tk-1 in order (the fused prefill's layout); None where a split cannot pay
+    (too few queries, or the queries all sit at the end where every group reads nearly all keys)."""
+    tq, tk = query_pos.shape[0], key_pos.shape[0]
+    count = min(MAX_GROUPS, tq // MIN_GROUP_QUERIES)
+    if count < 2 or int(query_pos[0]) >= tk // 2:
+        return None
+    if not bool((query_pos[1:] > query_pos[:-1]).all()):
+        return None
+    if int(key_pos[0]) != 0 or int(key_pos[-1]) != tk - 1 or not torch.equal(
+            key_pos, torch.arange(tk, device=key_pos.device, dtype=key_pos.dtype)):
+        return None
+    bounds = [round(i * tq / count) for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def _is_long_suffix(query_pos: torch.Tensor, key_pos: torch.Tensor) -> bool:
