@@ -126,8 +126,8 @@ class Engine:
     def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                  policy: str | Policy = "cacheblend", tenant: str = "", order: str = "preserve") -> GenerationResult:
         """Answer a chunk-structured prompt. `policy` picks the recompute strategy, `order`
-        ('preserve', 'frequency' or 'hits-first') whether chunks are re-sorted by the CA-Table
-        or with the chunks the cache holds first, `tenant` salts
+        ('preserve', 'frequency', 'hits-first' or 'misses-first') whether chunks are re-sorted by
+        the CA-Table or with the chunks the cache holds first or last, `tenant` salts
         every cache key so tenants never share KV. With `prompt.conversation_id` the next turn
         continues from this one's KV."""
         stream = self.stream(prompt, sampling, policy, tenant, order)

@@ -11,7 +11,10 @@ from ragcache_integrations.access_table import ChunkAccessTable
 
 __all__ = ["ChunkAccessTable", "Order", "access_key", "check_order"]
 
-Order = Literal["preserve", "frequency", "hits-first"]
+Order = Literal["preserve", "frequency", "hits-first", "misses-first"]
+
+
+ORDERS: tuple[str, ...] = ("preserve", "frequency", "hits-first", "misses-first")
 
 
 def access_key(tenant: str, chunk_id: str) -> str:
@@ -20,6 +23,6 @@ def access_key(tenant: str, chunk_id: str) -> str:
 
 
 def check_order(order: str) -> Order:
-    if order not in ("preserve", "frequency", "hits-first"):
-        raise InvalidPromptError(f"unknown order '{order}': use preserve, frequency or hits-first")
+    if order not in ORDERS:
+        raise InvalidPromptError(f"unknown order '{order}': use {', '.join(ORDERS)}")
     return order  # type: ignore[return-value]

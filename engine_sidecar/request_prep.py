@@ -40,13 +40,17 @@ class RequestPreparer:
             if order == "frequency":
                 prompt = prompt.model_copy(update={"chunks": self.access_table.sort(
                     prompt.chunks, lambda c: access_key(tenant, c.id or ""))})
-            elif order == "hits-first":
-                prompt = prompt.model_copy(update={"chunks": self.hits_first(prompt, tenant)})
+            elif order in ("hits-first", "misses-first"):
+                held, new = self.split_held(prompt, tenant)
+                prompt = prompt.model_copy(update={"chunks": held + new if order == "hits-first" else new + held})
         return prompt, sampling, pol
 
-    def hits_first(self, prompt: ChunkedPrompt, tenant: str) -> list[Chunk]:
-        """Chunks whose KV the store holds (computed in place earlier, or warmed) first, each
-        group in the retriever's order."""
+    def split_held(self, prompt: ChunkedPrompt, tenant: str) -> tuple[list[Chunk], list[Chunk]]:
+        """(chunks whose KV the store holds (computed in place earlier, or warmed), the others),
+        each in the retriever's order. `misses-first` puts the new ones first: a token's
+        attention reads every key before it, so a chunk computed in full costs least early in
+        the prompt, and computed right after the system prefix its KV is what a precompute
+        would store."""
         prefix = self.builder.prefix_segment(prompt.system)
         context = self.keys.chunk_context(prefix)
 
@@ -56,8 +60,8 @@ class RequestPreparer:
                     or self.store.contains(self.keys.for_tokens(ids, tenant, context)))
 
         flags = [held(c) for c in prompt.chunks]
-        return ([c for c, f in zip(prompt.chunks, flags, strict=True) if f]
-                + [c for c, f in zip(prompt.chunks, flags, strict=True) if not f])
+        return ([c for c, f in zip(prompt.chunks, flags, strict=True) if f],
+                [c for c, f in zip(prompt.chunks, flags, strict=True) if not f])
 
     def check_total(self, total: int, max_tokens: int) -> None:
         if total + max_tokens > self.max_context:

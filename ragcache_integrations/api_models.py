@@ -25,7 +25,7 @@ TENANT_HEADER = "X-RagCache-Tenant"
 # torch seeds its generator from an unsigned 64-bit value; anything larger fails deep in the engine
 MAX_SEED = 2**63 - 1
 
-Order = Literal["preserve", "frequency", "hits-first"]
+Order = Literal["preserve", "frequency", "hits-first", "misses-first"]
 
 
 def _tenant_field() -> Any:

@@ -116,5 +116,24 @@ def test_hits_first_order_puts_held_chunks_before_new_ones(tiny_engine):
     second = tiny_engine.generate(ChunkedPrompt(chunks=[b, a, c], question="q?"), {"max_tokens": 1},
                                   order="hits-first")
     assert [s["chunk_id"] for s in second.stats.plan if s["kind"] == "chunk"] == ["b", "a", "c"]
-    with pytest.raises(InvalidPromptError, match="hits-first"):
-        tiny_engine.generate(ChunkedPrompt(chunks=[a], question="q?"), order="misses-first")
+    with pytest.raises(InvalidPromptError, match="misses-first"):
+        tiny_engine.generate(ChunkedPrompt(chunks=[a], question="q?"), order="newest-first")
+
+
+def test_misses_first_order_puts_new_chunks_before_held_ones_and_computes_them_once(tiny_engine):
+    """order="misses-first": new chunks go first (in the retriever's order), held ones after;
+    the new chunk is computed in place in every layer, the held one is fused, nothing twice."""
+    a, b, c = (Chunk(id=i, text=t) for i, t in zip("abc", (
+        "The Nile is the longest river in Africa and flows north into the Mediterranean Sea.",
+        "Lake Baikal in Siberia is the deepest lake in the world, at 1,642 metres.",
+        "The Atacama Desert in Chile is one of the driest places on Earth."), strict=True))
+    tiny_engine.warm([a])
+    result = tiny_engine.generate(ChunkedPrompt(chunks=[a, b, c], question="q?"), {"max_tokens": 1},
+                                  order="misses-first", policy="reuse")
+    plan = [s for s in result.stats.plan if s["kind"] == "chunk"]
+    assert [s["chunk_id"] for s in plan] == ["b", "c", "a"]
+    assert result.stats.chunk_hits == 1 and result.stats.chunk_misses == 2
+    layers = tiny_engine.runner.num_layers
+    new_tokens = result.stats.prefill_tokens_total - result.stats.tokens_reused
+    assert result.stats.token_layers_computed == new_tokens * layers
+    assert result.stats.token_layers_precomputed == 0

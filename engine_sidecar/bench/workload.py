@@ -38,8 +38,8 @@ from engine_sidecar.reorder import ChunkAccessTable
 from engine_sidecar.store.chunk_store import ChunkStore
 from ragcache_integrations.types import Chunk, ChunkedPrompt
 
-ALL_SYSTEMS = ["full", "prefix", "prefix+reorder", "fusion", "fusion+reorder", "fusion+hits-first", "vllm-apc",
-               "vllm-apc+reorder"]
+ALL_SYSTEMS = ["full", "prefix", "prefix+reorder", "fusion", "fusion+reorder", "fusion+hits-first",
+               "fusion+misses-first", "vllm-apc", "vllm-apc+reorder"]
 
 
 @dataclass
@@ -54,7 +54,8 @@ class SystemLog:
 
 def engine_setup(system: str, ratio: float) -> tuple[str, str, bool]:
     policy = f"cacheblend:{ratio}" if system.startswith("fusion") else system.split("+")[0]
-    order = "frequency" if system.endswith("+reorder") else "hits-first" if system.endswith("+hits-first") else "preserve"
+    suffix = system.partition("+")[2]
+    order = "frequency" if suffix == "reorder" else suffix or "preserve"
     return policy, order, system != "full"
 
 
