@@ -13,7 +13,7 @@ is a clear error, not a silent drop.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, get_args
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
@@ -25,6 +25,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from ragcache_integrations import langchain_observer
+from ragcache_integrations.api_models import Order
 from ragcache_integrations.backend import (
     AsyncDeltaStream,
     Backend,
@@ -82,7 +83,7 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
 
     model_name: str | None = Field(default=None, alias="model", description="Label only: the engine has one model")
     policy: str = Field(default=DEFAULT_POLICY, description=f"Recompute policy: {forms_text()}")
-    order: Literal["preserve", "frequency"] = "preserve"
+    order: Order = Field(default="preserve", description="Chunk order the engine uses: " + ", ".join(get_args(Order)))
     tenant: str = ""
     conversation_id: str | None = Field(
         default=None, description="Keep this chat's KV: the next call reuses the turns it repeats exactly")

@@ -214,3 +214,13 @@ def test_chat_model_with_a_conversation_id_reuses_earlier_turns(engine):
     model.invoke([*history, reply, HumanMessage(content="Which sea does it reach?")])
     first = model.last_stats["plan"][0]
     assert first["kind"] == "history" and first["mode"] == "exact" and model.last_stats["tokens_reused"] > 0
+
+
+def test_chat_model_sends_every_engine_order_and_refuses_a_typo(engine):
+    REGISTRY.clear()
+    for order in ("hits-first", "misses-first"):
+        model = ChunkCachedChatModel(engine=engine, max_tokens=2, policy="full", order=order)
+        chat_chain(model).invoke({"input": "Where does the Nile flow into the sea?"})
+        assert model.last_prompt is not None and model.last_stats["fallback_reason"] is None
+    with pytest.raises(ValueError, match="misses-first"):
+        ChunkCachedChatModel(engine=engine, order="misses_first")

@@ -297,3 +297,13 @@ def test_chat_engine_with_a_conversation_id_reuses_earlier_turns(mem_index, tiny
     first_span = llm.last_stats["plan"][0]
     assert first_span["kind"] == "history" and first_span["mode"] == "exact"
     assert llm.last_stats["tokens_reused"] >= first_span["positions"][1] > 0
+
+
+def test_every_engine_order_is_accepted_and_a_typo_is_refused(tiny):
+    REGISTRY.add(PASSAGES["sahara"], "sahara")
+    prompt = f"Context:\n{PASSAGES['sahara']}\n\nQuestion: what is the Sahara?"
+    for order in ("hits-first", "misses-first"):
+        llm = ChunkCachedLLM(engine=tiny, max_tokens=2, policy="full", order=order)
+        assert llm.complete(prompt).additional_kwargs["ragcache"]["chunks_sent"] == 1
+    with pytest.raises(ValueError, match="misses-first"):
+        ChunkCachedLLM(engine=tiny, order="misses_first")

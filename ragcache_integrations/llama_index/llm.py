@@ -11,7 +11,7 @@ cannot hold, e.g. earlier chat turns) is sent as a plain chat, exactly as given.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -28,6 +28,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
+from ragcache_integrations.api_models import Order
 from ragcache_integrations.backend import (
     AsyncDeltaStream,
     Backend,
@@ -61,8 +62,8 @@ class ChunkCachedLLM(LastCallMixin, LLM):
     call went out as a plain chat; `.last_stats["fallback_reason"]` says why)."""
 
     policy: str = Field(default=DEFAULT_POLICY, description=f"Recompute policy: {forms_text()}")
-    order: Literal["preserve", "frequency"] = Field(default="preserve",
-                                                    description="frequency: the engine sorts chunks by access count")
+    order: Order = Field(default="preserve", description="preserve; frequency (the engine sorts chunks by access "
+                         "count); hits-first / misses-first (chunks the engine holds before / after new ones)")
     tenant: str = Field(default="", description="Salts every cache key: tenants never share KV")
     conversation_id: str | None = Field(
         default=None, description="Keep this chat's KV: the next call reuses the turns it repeats exactly")
