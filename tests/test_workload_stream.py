@@ -98,3 +98,30 @@ def test_workload_corpus_errors_are_one_line(tmp_path):
                               "--systems", "full"], capture_output=True, text=True, timeout=120)
         assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
         assert corpus.split("/")[-1] in run.stderr
+
+
+def test_workload_run_writes_every_requests_ttft_computed_and_stage_times(tmp_path, tiny_llama_dir):
+    """A whole `bench workload` run on the tiny model: the JSON keeps one row per request and
+    system, whose means are the table's (so a phase's mean can be looked into)."""
+    import statistics
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in _records(6)))
+    out = tmp_path / "w.json"
+    run = subprocess.run([sys.executable, "-m", "engine_sidecar.cli", "bench", "workload", "--corpus", str(path),
+                          "--stream", "documents", "--documents", "2", "--requests", "5", "--cold", "2", "--k", "2",
+                          "--max-tokens", "2", "--model", str(tiny_llama_dir),
+                          "--systems", "full,fusion+misses-first", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    for system in ("full", "fusion+misses-first"):
+        rows = data["per_request"][system]
+        assert len(rows) == 5 and all(r["prompt_tokens"] > 0 and "prefill_s" in r["stage_times"] for r in rows)
+        m = data["systems"][system]
+        assert m["warm_ttft_mean_s"] == pytest.approx(statistics.mean(r["ttft_s"] for r in rows[2:]))
+        assert m["computed_fraction"] == pytest.approx(statistics.mean(r["computed"] for r in rows))
+    assert all(r["computed"] == 1.0 for r in data["per_request"]["full"])
+    assert any(r["computed"] < 1.0 for r in data["per_request"]["fusion+misses-first"][2:])

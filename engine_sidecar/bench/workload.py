@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,14 @@ class SystemLog:
     lookups: int = 0
     orders: list[list[str]] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
+    # per request, for looking into a phase's mean: prompt tokens and the engine's stage times
+    prompt_tokens: list[int] = field(default_factory=list)
+    stage_times: list[dict[str, float]] = field(default_factory=list)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [{"ttft_s": t, "computed": c, "prompt_tokens": n, "stage_times": st}
+                for t, c, n, st in itertools.zip_longest(self.ttft, self.computed, self.prompt_tokens,
+                                                         self.stage_times)]
 
 
 def engine_setup(system: str, ratio: float) -> tuple[str, str, bool]:
@@ -133,6 +142,8 @@ def run_workload(args: argparse.Namespace) -> int:
                 log.lookups += sum(1 for span in s.plan if span["kind"] == "chunk")
                 log.orders.append([span["chunk_id"] for span in s.plan if span["kind"] == "chunk"])
                 log.answers.append(result.text)
+                log.prompt_tokens.append(s.prefill_tokens_total)
+                log.stage_times.append(dict(s.stage_times))
             if replay is not None:
                 replay.step(request, logs)
     summary = summarize(logs, args.cold)
@@ -140,7 +151,9 @@ def run_workload(args: argparse.Namespace) -> int:
     config.update({"passages": len(corpus.passages), "stream_requests": len(stream),
                    "conversation_turns": sum(1 for r in stream if r.conversation_id),
                    "model": str(model_dir), "vllm_note": vllm_note})
-    publish(console, args.json, {"config": config, "systems": summary}, markdown_table(summary, config))
+    publish(console, args.json, {"config": config, "systems": summary,
+                                 "per_request": {name: log.rows() for name, log in logs.items()}},
+            markdown_table(summary, config))
     return 0
 
 
@@ -189,6 +202,7 @@ class VllmReplay:
                     log.hits += int(end <= response.cached_tokens)
             log.orders.append([s.chunk_id or "" for s in chunk_segs])
             log.answers.append(builder.decode(answer))
+            log.prompt_tokens.append(response.prompt_tokens)
 
 
 def _p(values: list[float], q: float) -> float:
