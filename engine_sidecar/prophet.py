@@ -10,13 +10,15 @@ neighbours (CacheClip), are then recomputed from layer 0 on every layer; the res
 cached KV.
 
 The probe costs (question + fresh tokens) x layers token-layers, 1-2% of a RAG prompt; it is
-counted in the request's computed share. This module computes and selects; the Policy wrapper
-is `policies.ProphetPolicy`.
+counted in the request's computed share. This module computes and selects; the Policy wrappers
+are `policies.ProphetPolicy` and `policies.GatePolicy` (which also reads the probe's prediction of
+the first answer token: under `reuse` the model would answer exactly that).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,10 +65,26 @@ def reader_mask(plan: FusionPlan) -> torch.Tensor:
     return readers
 
 
-@torch.inference_mode()
+@dataclass
+class Probe:
+    scores: torch.Tensor  # [T] over the fused tokens (0 elsewhere), averaged over the probed layers
+    token_layers: int  # computed, counted in the request's computed share
+    # [vocab] next-token logits of the last prompt token over the reused KV: what `reuse` predicts
+    # for the first answer token (only when asked for, the whole depth probed and that token uncached)
+    logits: torch.Tensor | None = None
+
+
 def probe_scores(runner: ModelRunner, plan: FusionPlan, layers: int | None = None) -> tuple[torch.Tensor, int]:
     """(scores [T] over the fused tokens, token-layers computed) from a probe of the uncached
     tokens over the reused KV in the first `layers` layers (all by default)."""
+    result = probe(runner, plan, layers)
+    return result.scores, result.token_layers
+
+
+@torch.inference_mode()
+def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logits: bool = False) -> Probe:
+    """The question probe (`probe_scores`); with `logits`, the last layer is also finished for the
+    last prompt token and its next-token logits returned (the gate policy's confidence check)."""
     n = plan.num_tokens
     device = runner.device
     cached = torch.zeros(n, dtype=torch.bool)
@@ -83,7 +101,10 @@ def probe_scores(runner: ModelRunner, plan: FusionPlan, layers: int | None = Non
     depth = runner.num_layers if layers is None else max(0, min(layers, runner.num_layers))
     scores = torch.zeros(n)
     if not bool(fused.any()) or not bool(readers.any()) or depth == 0:
-        return scores, 0
+        return Probe(scores, 0)
+    # reuse's prediction needs the last prompt token through every layer; a cached last token
+    # (never under a plan the executor accepts) has no prediction to offer
+    finish_last = logits and depth == runner.num_layers and not bool(cached[n - 1])
     c = runner.config
     ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
     positions = torch.arange(n, device=device)
@@ -95,6 +116,11 @@ def probe_scores(runner: ModelRunner, plan: FusionPlan, layers: int | None = Non
     hidden = runner.embed(ids[computed])
     keys = torch.empty(n, c.num_kv_heads, c.head_dim, dtype=runner.dtype, device=device)
     values = torch.empty_like(keys)
+    # the class's step, not the instance attribute: a wrapper observing the prefill's layers on
+    # the instance (bench fidelity's per-layer hidden-state capture and its TTFT stamps) must see
+    # the prefill proper, not the probe before it
+    mlp = type(runner).mlp
+    next_logits = None
     for layer in range(depth):
         for span in plan.spans:
             if span.cached is not None and span.mode != "fresh":
@@ -106,13 +132,21 @@ def probe_scores(runner: ModelRunner, plan: FusionPlan, layers: int | None = Non
         q = apply_rope(qkv.q, cos_c, sin_c)
         scores += attention_scores(q[readers], rotated, pos_c[readers], positions, fused_d,
                                    c.sliding_window).cpu()
-        if layer + 1 < depth:  # the last probed layer's output is never read
+        if layer + 1 < depth:
             attn = selective_attention(q, rotated, values, pos_c, positions, c.sliding_window)
-            # the class's step, not the instance attribute: a wrapper observing the prefill's
-            # layers on the instance (bench fidelity's per-layer hidden-state capture and its
-            # TTFT stamps) must see the prefill proper, not the probe before it
-            hidden = type(runner).mlp(runner, layer, runner.attn_out(layer, hidden, attn.reshape(attn.shape[0], -1)))
-    return scores / depth, int(computed.shape[0]) * depth
+            hidden = mlp(runner, layer, runner.attn_out(layer, hidden, attn.reshape(attn.shape[0], -1)))
+        elif finish_last:
+            # of the last layer only the last token's output is read (its logits): one row, not all
+            attn = selective_attention(q[-1:], rotated, values, pos_c[-1:], positions, c.sliding_window)
+            last = mlp(runner, layer, runner.attn_out(layer, hidden[-1:], attn.reshape(1, -1)))
+            next_logits = runner.logits(last)[0]
+    return Probe(scores / depth, int(computed.shape[0]) * depth, next_logits)
+
+
+def first_token_margin(logits: torch.Tensor) -> float:
+    """p(top 1) - p(top 2) under the softmax of `logits` [vocab]: how sure the prediction is."""
+    top = torch.topk(torch.softmax(logits.float(), dim=-1), 2).values
+    return float(top[0] - top[1])
 
 
 def select_with_windows(scores: torch.Tensor, candidates: torch.Tensor, budget: int, radius: int,

@@ -75,6 +75,9 @@ POLICIES: tuple[PolicyEntry, ...] = (
                 "each fused token (attention normalized per head, averaged over layers); the top-ratio tokens, "
                 "each with one neighbour on either side, recomputed from layer 0 (default 0.15; nowindow: no "
                 "neighbours)", arg="ratio", default=0.15, option="nowindow"),
+    PolicyEntry("gate", "confidence-gated: the prophet probe also predicts the first answer token over the reused "
+                "KV; where p(top 1) - p(top 2) >= 0.5 nothing is recomputed (reuse), otherwise the top-ratio tokens "
+                "as for prophet (default 0.3; the cost varies per request)", arg="ratio", default=0.3),
     PolicyEntry("epic", "EPIC: the first k tokens of each fused chunk recomputed (default 16)", arg="k", default=16),
     PolicyEntry("cachetune", "CacheTune: the top-ratio tokens of each chunk by low-frequency K/V energy recomputed "
                 "from layer 0 (default 0.15; auto as for cacheblend)", arg="ratio", default=0.15, auto=True),
