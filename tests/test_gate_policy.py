@@ -157,3 +157,37 @@ def test_api_accepts_the_grammar(tiny_engine, policy):
             error = client.post("/v1/generate", json={**body, "policy": bad})
             assert error.status_code == 422 and error.json()["error"]["param"] == "policy"
             assert "gate[:ratio]" in error.json()["error"]["message"]
+
+
+def test_fidelity_bench_reports_each_questions_decision_and_cost(tiny_llama_dir, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "fidelity.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", "2", "--k", "3",
+         "--policies", "full,reuse,gate:0.3", "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk",
+         "--no-generate", "--max-tokens", "3", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    rows = [r["policies"]["gate:0.3"] for r in result["rows"]]
+    # the tiny random model is never sure of anything: every question escalates
+    assert all(r["escalated"] and 0.0 <= r["margin"] < 0.5 and r["computed_fraction"] > 0 for r in rows)
+    gate = result["policies"]["gate:0.3"]["gate"]
+    assert gate["escalated_share"] == 1.0 and gate["questions"] == 2 and gate["computed_confident"] is None
+    assert gate["computed_escalated"] == pytest.approx(result["policies"]["gate:0.3"]["computed_fraction"])
+    assert "| gate:0.3 | 1.00 of 2 |" in out.with_suffix(".md").read_text()
+
+
+def test_gate_summary_splits_the_cost_by_decision():
+    from engine_sidecar.bench.fidelity import gate_summary
+
+    entries = [{"escalated": True, "margin": 0.1, "computed_fraction": 0.3},
+               {"escalated": False, "margin": 0.9, "computed_fraction": 0.02},
+               {"escalated": False, "margin": 0.7, "computed_fraction": 0.04}]
+    summary = gate_summary(entries)
+    assert summary["escalated_share"] == pytest.approx(1 / 3) and summary["margin_median"] == 0.7
+    assert summary["computed_escalated"] == 0.3 and summary["computed_confident"] == pytest.approx(0.03)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from engine_sidecar.bench.policy_specs import is_oracle, oracle_ratio
 from engine_sidecar.bench.report import write_report
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.policies import GatePolicy, Policy, parse_policy
 from ragcache_integrations.types import ChunkedPrompt, SamplingParams
 
 
@@ -146,9 +148,8 @@ def run_fidelity(args: argparse.Namespace) -> int:
                                            "computed_fraction": result.stats.computed_fraction,
                                            "recompute_share": result.stats.tokens_recomputed / max(
                                                1, result.stats.tokens_recomputed + result.stats.tokens_reused),
-                                           "prompt_tokens": result.stats.prefill_tokens_total}
-                if isinstance(spec, OraclePolicy):
-                    row["policies"][policy]["head_share"] = spec.head_share
+                                           "prompt_tokens": result.stats.prefill_tokens_total,
+                                           **policy_details(spec)}
             if reference is not None and (no_generate or not getattr(args, "no_teacher_forced", False)):
                 teacher_forced(engine, prompt, row, policies, reference, not getattr(args, "no_divergence", False))
             if noise is not None and reference is not None:
@@ -194,14 +195,28 @@ def full_reference(engine: Any, prompt: ChunkedPrompt, max_tokens: int) -> dict[
     return ref
 
 
-def make_policy(spec: str, reference: dict[str, Any] | None) -> str | OraclePolicy:
-    """The policy to hand the engine: the spec itself, or for oracle:<r> a Policy object holding
-    full prefill's KV of this very prompt."""
+def make_policy(spec: str, reference: dict[str, Any] | None) -> str | Policy:
+    """The policy to hand the engine: the spec itself; for oracle:<r> a Policy object holding
+    full prefill's KV of this very prompt; for gate a Policy object, so that its decision on this
+    prompt can be read back (`policy_details`)."""
+    if spec.split(":", 1)[0] == GatePolicy.name:
+        return parse_policy(spec)
     if not is_oracle(spec):
         return spec
     if reference is None:
         raise InvalidPromptError("oracle policies need full prefill of the measured prompt")
     return OraclePolicy(oracle_ratio(spec), reference["keys_pre"], reference["values"])
+
+
+def policy_details(spec: str | Policy) -> dict[str, Any]:
+    """What a policy object decided on the request it just ran, for the question's row: the
+    oracle's share of picks at chunk heads; the gate's first-token margin under reuse and whether
+    it spent its budget (the gate's computed share varies per question with that decision)."""
+    if isinstance(spec, OraclePolicy):
+        return {"head_share": spec.head_share}
+    if isinstance(spec, GatePolicy):
+        return {"escalated": spec.escalated, "margin": None if math.isnan(spec.margin) else spec.margin}
+    return {}
 
 
 def _agreement(logprobs: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
@@ -241,9 +256,8 @@ def teacher_forced(engine: Any, prompt: ChunkedPrompt, row: dict[str, Any], poli
                     "ttft_s": stamps[layers - 1] - started, "computed_fraction": stats.computed_fraction,
                     "recompute_share": stats.tokens_recomputed / max(1, stats.tokens_recomputed + stats.tokens_reused),
                     "prompt_tokens": stats.prefill_tokens_total}
-                if isinstance(spec, OraclePolicy):
-                    row["policies"][policy]["head_share"] = spec.head_share
             target = row["policies"][policy]
+            target.update(policy_details(spec))
         target["tf_agreement"], target["tf_kl"] = _agreement(logprobs, ref_logprobs)
         if divergence:
             target["divergence"] = layer_divergence(hidden, reference["hidden"])
@@ -344,7 +358,23 @@ def summarize(rows: list[dict[str, Any]], policies: list[str],
         heads = [r["policies"][policy]["head_share"] for r in rows if "head_share" in r["policies"][policy]]
         if heads:
             out[policy]["oracle_head_share"] = statistics.mean(heads)
+        gated = [p for _, p in per if "escalated" in p]
+        if gated:
+            out[policy]["gate"] = gate_summary(gated)
     return out
+
+
+def gate_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A gate policy's decisions over the questions: the share escalated, the median margin, and
+    the mean computed share on each side of the decision (the overall mean is `computed_fraction`,
+    the average cost)."""
+    escalated = [e for e in entries if e["escalated"]]
+    confident = [e for e in entries if not e["escalated"]]
+    margins = [e["margin"] for e in entries if e.get("margin") is not None]
+    return {"escalated_share": len(escalated) / len(entries), "questions": len(entries),
+            "margin_median": statistics.median(margins) if margins else None,
+            "computed_escalated": statistics.mean(e["computed_fraction"] for e in escalated) if escalated else None,
+            "computed_confident": statistics.mean(e["computed_fraction"] for e in confident) if confident else None}
 
 
 def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any]) -> str:
@@ -379,6 +409,15 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
                      if delta else "baseline" if any(d.get("tf_agreement_delta", {}).get("vs") == name
                                                       for d in forced.values()) else "-")
             lines.append(f"| {name} | {m['tf_agreement']:.3f} ({lo:.2f}-{hi:.2f}) | {m['tf_kl']:.4f} | {shown} |")
+    gates = {name: m["gate"] for name, m in summary.items() if "gate" in m}
+    if gates:
+        lines += ["", "Gate decisions (escalated: reuse's first-token margin below the threshold, the budget "
+                  "spent; the computed column above is the mean over all questions):", "",
+                  "| policy | escalated | median margin | computed where escalated | computed where confident |",
+                  "|---|---|---|---|---|"]
+        for name, g in gates.items():
+            lines.append(f"| {name} | {g['escalated_share']:.2f} of {g['questions']} | {_or_dash(g['margin_median'])} "
+                         f"| {_or_dash(g['computed_escalated'])} | {_or_dash(g['computed_confident'])} |")
     lines += divergence_table(summary)
     if "transformers_prefill_median_s" in config:
         lines.append("")
@@ -387,6 +426,10 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
                      f"{summary['full']['ttft_median_s']:.3f} s (ratio "
                      f"{summary['full']['ttft_median_s'] / config['transformers_prefill_median_s']:.2f})")
     return "\n".join(lines)
+
+
+def _or_dash(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def shown_layers(num_layers: int) -> list[int]:
