@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ragcache-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo chatbot browser test lint clean-cache vllm-env bench-fidelity bench-prefetch bench-workload bench-load
+.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-prefetch bench-workload bench-load
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,15 @@ browser:
 	  (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
 	   apt-get install -y -q chromium >/dev/null 2>&1)); } || echo "note: no chromium; the browser test will skip"
 
-test: model browser
+# Debian's redis-server for the shared KV tier's tests (tests/test_redis_tier.py start their own on a
+# free port; installed when we are root with apt; without it those tests skip, and CI, which
+# requires it, fails).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get install -y -q redis-server >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
+	   apt-get install -y -q redis-server >/dev/null 2>&1)); } || echo "note: no redis-server; the Redis tier tests will skip"
+
+test: model browser redis-server
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: install

@@ -43,6 +43,7 @@ from engine_sidecar.sequence import GenerationStream, Sequence
 from engine_sidecar.stats import request_stats
 from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.entry import CacheKey, ChunkKV
+from engine_sidecar.store.redis_tier import RedisTier
 from engine_sidecar.turn_history import conversation_after_turn
 from engine_sidecar.warm import warm_chunks
 from ragcache_integrations.types import (
@@ -99,7 +100,9 @@ class Engine:
         builder = PromptBuilder.load(model_dir)
         tiers = config.store
         disk_dir = (tiers.cache_dir or default_cache_dir()) if tiers.disk else None
-        store = ChunkStore(tiers.ram_bytes, Path(disk_dir) if disk_dir else None, runner.device, tiers.disk_bytes)
+        redis = RedisTier(tiers.redis_url, ttl_s=tiers.redis_ttl_s) if tiers.redis_url else None
+        store = ChunkStore(tiers.ram_bytes, Path(disk_dir) if disk_dir else None, runner.device, tiers.disk_bytes,
+                           redis)
         return cls(runner, builder, store, config, model_dir)
 
     # --- identity ----------------------------------------------------------------------------

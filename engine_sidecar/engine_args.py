@@ -38,6 +38,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-cache-gb", type=float, default=2.0, help="RAM tier capacity in GB (default 2)")
     p.add_argument("--disk-cache-gb", type=non_negative, default=20.0,
                    help="disk tier budget in GiB, least recently used files removed first (default 20; 0 = unlimited)")
+    p.add_argument("--redis-url", default=None,
+                   help="a Redis tier behind RAM and disk, shared by every sidecar given the same URL, e.g. "
+                        "redis://localhost:6379/0 (default: off)")
+    p.add_argument("--redis-ttl", type=non_negative, default=86400.0,
+                   help="seconds a Redis entry lives unused; every hit refreshes it (default 86400; 0 = no expiry)")
     p.add_argument("--convention", choices=["isolated", "after-prefix"], default="isolated",
                    help="how `warm` and --precompute inline/background compute a chunk's KV: alone at position 0, "
                         "or right after the system prefix")
@@ -75,4 +80,5 @@ def engine_from_args(args: argparse.Namespace):
         conversation_ram_bytes=int(getattr(args, "conversation_ram_gb", 0.5) * (1 << 30)),
         max_batch=getattr(args, "max_batch", 16),
         batch_kv_bytes=int(getattr(args, "batch_kv_gb", 4.0) * (1 << 30)),
+        redis_url=getattr(args, "redis_url", None), redis_ttl_s=getattr(args, "redis_ttl", 86400.0),
     )

@@ -31,6 +31,9 @@ class StoreConfig:
     # disk tier budget, least recently used files out first; 0 = unlimited
     disk_bytes: int = field(default=20 << 30, metadata={FLAT: "disk_cache_bytes"})
     prefetch: bool = True  # read disk-tier chunk KV layer by layer while earlier layers compute
+    # a Redis tier behind RAM and disk, shared by every sidecar given the same URL; None = off
+    redis_url: str | None = None
+    redis_ttl_s: float = 86400.0  # each Redis entry's time to live, refreshed on every hit
 
 
 @dataclass

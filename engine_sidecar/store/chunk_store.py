@@ -1,5 +1,6 @@
 """The tiered chunk KV store: RAM (LRU by bytes) in front of an optional disk tier (LRU by bytes
-of files, see store/disk.py)."""
+of files, see store/disk.py), and behind both an optional Redis tier shared by several sidecars
+(see store/redis_tier.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from engine_sidecar.store.disk import DiskTier
 from engine_sidecar.store.entry import CacheKey, ChunkKV
 from engine_sidecar.store.ram import RamTier
+from engine_sidecar.store.redis_tier import RedisTier
 
 
 @dataclass
@@ -31,13 +33,23 @@ class StoreStats:
     disk_evictions: int = 0  # files removed to stay within it
     disk_write_failures: int = 0  # writes that failed (full disk, I/O error): the entry stayed in RAM only
     disk_writes_dropped: int = 0  # entries not written because the write queue was full
+    # the Redis tier (all 0 without one)
+    hits_redis: int = 0
+    redis_misses: int = 0  # lookups Redis answered with no entry
+    redis_corrupt: int = 0  # partial or damaged entries: deleted, the chunk recomputed
+    redis_errors: int = 0  # failed calls (down, timeout): a miss or a dropped write
+    redis_breaker_opens: int = 0  # times the circuit breaker stopped calling Redis for its cool-down
+    redis_skipped: int = 0  # calls not made while the breaker was open
+    redis_writes: int = 0  # entries written
+    redis_writes_dropped: int = 0  # entries not written because the write queue was full
 
 
 class ChunkStore:
     def __init__(self, ram_capacity_bytes: int, disk_dir: Path | None, device: torch.device,
-                 disk_capacity_bytes: int = 0):
+                 disk_capacity_bytes: int = 0, redis: RedisTier | None = None):
         self.ram = RamTier(ram_capacity_bytes)
         self.disk = DiskTier(disk_dir, disk_capacity_bytes) if disk_dir is not None else None
+        self.redis = redis
         self.device = device
         # guards the chunk-id index, and makes "remember, then put in RAM" one step for a
         # concurrent prune (the disk writer's evictions arrive on its own thread)
@@ -48,14 +60,15 @@ class ChunkStore:
         self._ids_of: dict[str, set[str]] = {}
         if self.disk is not None:
             self.disk.on_gone = self._forget_gone
-        self.hits_ram = self.hits_disk = self.misses = 0
+        self.hits_ram = self.hits_disk = self.hits_redis = self.misses = 0
         # (seconds, tokens) of each disk-tier read, for the engine's running cost estimate
         self.on_disk_load: Callable[[float, int], None] | None = None
 
     def get(self, key: CacheKey, lazy: bool = False) -> ChunkKV | None:
-        """The entry from RAM, else from disk. With `lazy`, a disk entry comes back with its KV
-        still on disk (`entry.reader`), for the executor to read a layer at a time while it
-        computes; `promote` puts it in RAM once read."""
+        """The entry from RAM, else from disk, else from Redis. With `lazy`, a disk entry comes
+        back with its KV still on disk (`entry.reader`), for the executor to read a layer at a time
+        while it computes; `promote` puts it in RAM once read. A Redis entry is read whole and put
+        in RAM."""
         digest = key.digest
         entry = self.ram.get(digest)
         if entry is not None:
@@ -77,6 +90,13 @@ class ChunkStore:
                     self.on_disk_load(time.perf_counter() - started, entry.num_tokens)
                 self._ram_put(digest, entry)
                 return entry
+        if self.redis is not None:
+            entry = self.redis.get(digest)
+            if entry is not None and entry.tenant == key.tenant:
+                self.hits_redis += 1
+                entry.keys, entry.values = entry.keys.to(self.device), entry.values.to(self.device)
+                self._ram_put(digest, entry)
+                return entry
         self.misses += 1
         return None
 
@@ -90,13 +110,16 @@ class ChunkStore:
 
     def contains(self, key: CacheKey) -> bool:
         digest = key.digest
-        return digest in self.ram or (self.disk is not None and digest in self.disk)
+        return (digest in self.ram or (self.disk is not None and digest in self.disk)
+                or (self.redis is not None and self.redis.contains(digest)))
 
     def put(self, key: CacheKey, entry: ChunkKV) -> None:
         digest = key.digest
         self._ram_put(digest, entry)
         if self.disk is not None:
             self.disk.put(digest, entry)
+        if self.redis is not None:
+            self.redis.put(digest, entry)
 
     def remove(self, key: CacheKey) -> bool:
         """Drop one entry from every tier; whether it was held."""
@@ -128,19 +151,23 @@ class ChunkStore:
 
     def delete(self, chunk_id: str | None = None, tenant: str | None = None) -> int:
         """Drop all entries, or those of one chunk id, or (chunk_id None) those of one tenant;
-        returns how many digests were removed."""
-        if self.disk is not None:
-            self.disk.flush()
+        returns how many digests were removed. The Redis tier's entries are found by a walk over
+        its keys (and all of them go with a full clear, other sidecars' too: they share it)."""
+        self.flush()
         if chunk_id is None and tenant is not None:
             digests = {d for d, entry in self.ram.items() if entry.tenant == tenant}
             if self.disk is not None:
                 digests |= self.disk.digests_of_tenant(tenant)
+            if self.redis is not None:
+                digests |= self.redis.digests_of(None, tenant)
             return self._remove_digests(digests)
         if chunk_id is None:
             count = len(self.ram) + (len(self.disk) if self.disk else 0)
             self.ram.clear()
             if self.disk is not None:
                 self.disk.clear()
+            if self.redis is not None:
+                count += self.redis.clear()
             with self._lock:
                 self._by_chunk_id.clear()
                 self._ids_of.clear()
@@ -151,6 +178,8 @@ class ChunkStore:
             digests |= self.disk.digests_of(chunk_id)
         if tenant is not None:  # the same id under another tenant is another tenant's entry
             digests = {d for d in digests if self._tenant_of(d) == tenant}
+        if self.redis is not None:
+            digests |= self.redis.digests_of(chunk_id, tenant)
         return self._remove_digests(digests)
 
     def _tenant_of(self, digest: str) -> str | None:
@@ -163,11 +192,12 @@ class ChunkStore:
 
     def _remove_digests(self, digests: set[str]) -> int:
         removed = 0
+        in_redis = self.redis.remove_many(digests) if self.redis is not None else set()
         for digest in digests:
             hit = self.ram.remove(digest)
             if self.disk is not None:
                 hit = self.disk.remove(digest) or hit
-            removed += int(hit)
+            removed += int(hit or digest in in_redis)
         self._forget_gone(digests)
         return removed
 
@@ -179,11 +209,14 @@ class ChunkStore:
     def flush(self) -> None:
         if self.disk is not None:
             self.disk.flush()
+        if self.redis is not None:
+            self.redis.flush()
 
     def stats(self) -> StoreStats:
-        """Counters only (the disk tier's in-memory index): never a folder walk."""
+        """Counters only (the disk tier's in-memory index): never a folder walk nor a Redis call."""
         disk = self.disk
         counters = disk.counters if disk is not None else None
+        shared = self.redis.counters if self.redis is not None else None
         return StoreStats(
             ram_entries=len(self.ram),
             ram_bytes=self.ram.bytes_used,
@@ -198,4 +231,12 @@ class ChunkStore:
             disk_evictions=counters.evictions if counters else 0,
             disk_write_failures=counters.write_failures if counters else 0,
             disk_writes_dropped=counters.writes_dropped if counters else 0,
+            hits_redis=self.hits_redis,
+            redis_misses=shared.misses if shared else 0,
+            redis_corrupt=shared.corrupt if shared else 0,
+            redis_errors=shared.errors if shared else 0,
+            redis_breaker_opens=self.redis.breaker.opened if self.redis is not None else 0,
+            redis_skipped=shared.skipped if shared else 0,
+            redis_writes=shared.writes if shared else 0,
+            redis_writes_dropped=shared.writes_dropped if shared else 0,
         )
