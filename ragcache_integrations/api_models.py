@@ -151,6 +151,16 @@ class CacheStats(BaseModel):
     disk_write_failures: int = Field(default=0, description="Disk writes that failed (full disk, I/O error); "
                                                             "those entries stayed in RAM only")
     disk_writes_dropped: int = Field(default=0, description="Entries not written: the disk write queue was full")
+    hits_redis: int = Field(default=0, description="Chunks read from the shared Redis tier (then kept in RAM)")
+    redis_misses: int = Field(default=0, description="Lookups the Redis tier answered with no entry")
+    redis_corrupt: int = Field(default=0, description="Redis entries found partial or damaged: deleted, recomputed")
+    redis_errors: int = Field(default=0, description="Redis calls that failed (down, timeout): a miss or a dropped "
+                                                     "write, never an error")
+    redis_breaker_opens: int = Field(default=0, description="Times the circuit breaker stopped calling Redis for "
+                                                            "its cool-down")
+    redis_skipped: int = Field(default=0, description="Redis calls not made while the breaker was open")
+    redis_writes: int = Field(default=0, description="Entries written to the Redis tier")
+    redis_writes_dropped: int = Field(default=0, description="Entries not written: the Redis write queue was full")
     conversations: int = 0
     cptree_nodes: int = 0
 

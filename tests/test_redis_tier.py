@@ -307,6 +307,24 @@ def test_a_frozen_redis_times_out_quickly(tmp_path, prefix):
         own.stop()
 
 
+def test_a_full_redis_refusing_writes_is_counted_but_does_not_open_the_breaker(tmp_path, prefix):
+    own = RedisServer(tmp_path / "redis")
+    try:
+        tiered = store(own.url, prefix)
+        tiered.put(key("small"), chunk(16))
+        tiered.flush()
+        own.client().config_set("maxmemory", "1")  # 1 byte: full, and noeviction refuses writes
+        own.client().config_set("maxmemory-policy", "noeviction")
+        for i in range(4):
+            tiered.put(key(f"big-{i}"), chunk(17 + i, tokens=2000))
+        tiered.flush()
+        stats = tiered.stats()
+        assert stats.redis_errors == 4 and stats.redis_breaker_opens == 0 and stats.redis_writes == 1
+        assert store(own.url, prefix).get(key("small")) is not None  # reads still served
+    finally:
+        own.stop()
+
+
 def test_breaker_opens_after_failures_in_a_row_and_half_opens_after_the_cool_down():
     now = [0.0]
     breaker = CircuitBreaker(failures_to_open=3, cooldown_s=5, clock=lambda: now[0])
@@ -374,3 +392,26 @@ def test_engine_with_redis_gone_still_answers(tiny_llama_dir):
             assert again.stats.chunk_hits == 3 and again.token_ids == first.token_ids  # RAM still serves
             stats = alone.store.stats()
             assert stats.redis_errors >= 3 and stats.redis_breaker_opens >= 1
+
+
+def test_cache_stats_and_metrics_show_the_redis_tier(tiny_llama_dir, server):
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine_sidecar.server import ServerSettings, create_app
+    from engine_sidecar.server.serve import banner
+
+    server.client().flushdb()
+    with engine(tiny_llama_dir, server.url) as first:
+        first.warm(PASSAGES)
+        first.store.flush()
+    with engine(tiny_llama_dir, server.url) as second:
+        assert f"Redis {server.url}" in banner(second, ServerSettings(), "http://x")
+        with TestClient(create_app(second, ServerSettings())) as client:
+            answer = client.post("/v1/generate", json={"prompt": PROMPT, "sampling": {"max_tokens": 2}})
+            assert answer.status_code == 200, answer.text
+            stats = client.get("/v1/cache/stats").json()
+            assert stats["hits_redis"] == 3 and stats["redis_errors"] == 0
+            samples = {s.labels["event"]: s.value for family in text_string_to_metric_families(client.get("/metrics").text)
+                       for s in family.samples if s.name == "ragcache_store_redis_events_total"}
+            assert samples["hit"] == 3 and samples["corrupt"] == 0 and "breaker_open" in samples

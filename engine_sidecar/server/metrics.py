@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from engine_sidecar.server.worker import EngineWorker
 
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+# ragcache_store_redis_events' event label -> its StoreStats counter
+_REDIS_EVENTS = {"hit": "hits_redis", "miss": "redis_misses", "corrupt": "redis_corrupt", "error": "redis_errors",
+                 "breaker_open": "redis_breaker_opens", "skipped": "redis_skipped", "write": "redis_writes",
+                 "write_dropped": "redis_writes_dropped"}
 
 
 class ServerMetrics:
@@ -44,6 +48,15 @@ class ServerMetrics:
         self._disk_seen: dict[str, int] = {}
         for event in ("corrupt", "evicted", "write_failed", "write_dropped"):
             self.disk_events.labels(event)
+        self.redis_events = Counter("ragcache_store_redis_events",
+                                    "Redis tier events: hit, miss, corrupt (partial or damaged entry, deleted, "
+                                    "recomputed), error (a failed call: a miss or a dropped write), breaker_open, "
+                                    "skipped (not called: breaker open), write, write_dropped (write queue full)",
+                                    ["event"], registry=r)
+        self._redis_seen: dict[str, int] = {}
+        if engine.store.redis is not None:
+            for event in _REDIS_EVENTS:
+                self.redis_events.labels(event)
         self.queue_depth = Gauge("ragcache_queue_depth", "Requests queued or running on the engine", registry=r)
         self._hits = self._lookups = 0
 
@@ -81,6 +94,11 @@ class ServerMetrics:
                                  ("write_dropped", store.disk_writes_dropped)):
                 self.disk_events.labels(event).inc(max(0, count - self._disk_seen.get(event, 0)))
                 self._disk_seen[event] = count
+            if self.engine.store.redis is not None:
+                for event, field in _REDIS_EVENTS.items():
+                    count = getattr(store, field)
+                    self.redis_events.labels(event).inc(max(0, count - self._redis_seen.get(event, 0)))
+                    self._redis_seen[event] = count
         self.queue_depth.set(self.worker.depth)
         return generate_latest(self.registry)
 

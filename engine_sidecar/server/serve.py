@@ -59,6 +59,8 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
 def banner(engine: Engine, settings: ServerSettings, address: str) -> str:
     store = engine.store
     disk = f"disk {store.disk.directory}" if store.disk is not None else "disk off"
+    if store.redis is not None:
+        disk += f", Redis {store.redis.shown_url}"
     dtype = str(engine.runner.dtype).removeprefix("torch.")
     return (f"ragcache serving on {address} | model {engine.model_dir} | device {engine.runner.device.type} | "
             f"dtype {dtype} | tiers: RAM {store.ram.capacity_bytes / (1 << 30):.1f} GiB, {disk} | "

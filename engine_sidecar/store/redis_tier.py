@@ -238,7 +238,11 @@ class RedisTier:
         self.max_pending_bytes = max_pending_bytes
         self.flush_timeout_s = flush_timeout_s
         if client is None:
-            import redis
+            try:
+                import redis
+                import xxhash  # noqa: F401 - checked here, used per entry
+            except ImportError as exc:
+                raise ImportError(f"the Redis tier needs the redis extra: pip install 'ragcache[redis]' ({exc})") from exc
             from redis.backoff import NoBackoff
             from redis.retry import Retry
 
@@ -254,6 +258,11 @@ class RedisTier:
         self._pending_bytes = 0
         self._in_flight = 0
         self._writer: threading.Thread | None = None
+
+    @property
+    def shown_url(self) -> str:
+        """The URL without its password."""
+        return redacted(self.url)
 
     def key(self, digest: str) -> str:
         return f"{self.prefix}:{digest}"
@@ -274,8 +283,11 @@ class RedisTier:
             result = op(self.client)
         except Exception as exc:  # noqa: BLE001 - Redis trouble of any kind is a miss, never an error
             self._count("errors", f"{what}: {exc!r}")
-            if self.breaker.failure():
-                log.warning("Redis tier at %s failing (%s: %r): not used for %g s", redacted(self.url), what, exc,
+            if not _outage(exc):  # Redis answered (an error reply, e.g. out of memory): it is up
+                log.warning("Redis tier %s failed: %r", what, exc)
+                self.breaker.success()
+            elif self.breaker.failure():
+                log.warning("Redis tier at %s failing (%s: %r): not used for %g s", self.shown_url, what, exc,
                             self.breaker.cooldown_s)
             return _FAILED
         self.breaker.success()
@@ -456,6 +468,15 @@ class RedisTier:
 
         removed = self._call("clear", clear)
         return 0 if removed is _FAILED else int(removed)
+
+
+def _outage(exc: BaseException) -> bool:
+    """Whether a failure means Redis could not be reached in time (what the breaker counts), not
+    an error reply from a Redis that answered."""
+    import redis
+
+    return isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError) or not isinstance(
+        exc, redis.RedisError)
 
 
 def _batches(items: Iterable[Any], size: int) -> Iterable[list[Any]]:
