@@ -415,3 +415,27 @@ def test_cache_stats_and_metrics_show_the_redis_tier(tiny_llama_dir, server):
             samples = {s.labels["event"]: s.value for family in text_string_to_metric_families(client.get("/metrics").text)
                        for s in family.samples if s.name == "ragcache_store_redis_events_total"}
             assert samples["hit"] == 3 and samples["corrupt"] == 0 and "breaker_open" in samples
+
+
+def test_two_serve_processes_share_chunk_kv_through_redis(tiny_llama_dir, server, tmp_path):
+    """`ragcache serve --redis-url` as real processes: what sidecar A computed is a hit in sidecar B
+    (its own RAM, no disk tier), with the same answer."""
+    import httpx
+
+    from tests.test_server_process import ServerProcess
+
+    server.client().flushdb()
+    body = {"prompt": PROMPT, "sampling": {"max_tokens": 4}}
+    answers = []
+    for name in ("a", "b"):
+        with ServerProcess(tiny_llama_dir, tmp_path / name, tmp_path / f"{name}.log", "--no-disk", "--no-prefix-tree",
+                           "--redis-url", server.url) as sidecar:
+            assert f"Redis {server.url}" in sidecar.banner
+            reply = httpx.post(sidecar.base + "/v1/generate", json=body, timeout=300)
+            assert reply.status_code == 200, reply.text
+            answers.append(reply.json())
+            stats = httpx.get(sidecar.base + "/v1/cache/stats", timeout=30).json()
+        # A is stopped (its writes flushed on shutdown) before B starts
+    first, second = answers
+    assert first["stats"]["chunk_hits"] == 0 and second["stats"]["chunk_hits"] == 3
+    assert stats["hits_redis"] >= 3 and second["token_ids"] == first["token_ids"]
