@@ -76,6 +76,7 @@ class Engine:
         self.costs = CostMeter()
         self.prefill_stage = PrefillStage(runner, store, self.costs)
         store.on_disk_load = lambda seconds, tokens: self.costs.observe_load("disk", seconds, tokens)
+        store.on_redis_load = lambda seconds, tokens: self.costs.observe_load("redis", seconds, tokens)
         self.cptree = CPTree(lambda node: self.store.contains(self.keys.for_node(node)),
                             config.reuse.promote_threshold)
         self.writer = ReuseWriter(store, self.keys, self.cptree, self.variants)

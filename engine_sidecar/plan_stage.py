@@ -28,7 +28,7 @@ class PlanStage:
         return self.store.get(key, lazy=self.lazy_reads)
 
     def plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, lazy: bool = True) -> PlannedRequest:
-        disk_hits = self.store.hits_disk
+        disk_hits, redis_hits = self.store.hits_disk, self.store.hits_redis
         if isinstance(policy, CacheCraftPolicy):
             self.writer.load_variants()
         # policies that read every cached layer before layer 0 (CacheTune's scores) load eagerly
@@ -40,7 +40,8 @@ class PlanStage:
             self.lazy_reads = False
         if policy.auto:
             # r0 for the slowest tier this request's cached KV came from (adaptive.py)
-            tier = "disk" if self.store.hits_disk > disk_hits else "ram"
+            tier = ("redis" if self.store.hits_redis > redis_hits else
+                    "disk" if self.store.hits_disk > disk_hits else "ram")
             policy.ratio = self.costs.ratio(tier)  # type: ignore[attr-defined]
             compute = f"{self.costs.compute * 1e3:.3f} ms" if self.costs.compute is not None else "not measured yet"
             load = f"{self.costs.load[tier] * 1e6:.2f} us" if tier in self.costs.load else "not measured yet"

@@ -372,6 +372,10 @@ def test_engine_b_reuses_what_engine_a_computed_through_redis(tiny_llama_dir, se
         assert result.stats.chunk_hits == 3
         assert second.store.stats().hits_redis >= 3
         assert result.token_ids == expected
+        assert second.costs.load.get("redis", 0) > 0  # Redis reads feed `:auto` policies' load cost
+    with engine(tiny_llama_dir, server.url) as fresh:
+        auto = fresh.generate(PROMPT, {"max_tokens": 1}, policy="cacheblend:auto")
+        assert auto.stats.chunk_hits == 3 and any("for the redis tier" in note for note in auto.stats.notes)
     client = server.client()
     for name in client.keys("ragcache:kv:*"):  # damage every stored entry
         client.hset(name, "seg:0", flip(client.hget(name, "seg:0"), 10))

@@ -63,6 +63,7 @@ class ChunkStore:
         self.hits_ram = self.hits_disk = self.hits_redis = self.misses = 0
         # (seconds, tokens) of each disk-tier read, for the engine's running cost estimate
         self.on_disk_load: Callable[[float, int], None] | None = None
+        self.on_redis_load: Callable[[float, int], None] | None = None  # the same for Redis-tier reads
 
     def get(self, key: CacheKey, lazy: bool = False) -> ChunkKV | None:
         """The entry from RAM, else from disk, else from Redis. With `lazy`, a disk entry comes
@@ -91,10 +92,13 @@ class ChunkStore:
                 self._ram_put(digest, entry)
                 return entry
         if self.redis is not None:
+            started = time.perf_counter()
             entry = self.redis.get(digest)
             if entry is not None and entry.tenant == key.tenant:
                 self.hits_redis += 1
                 entry.keys, entry.values = entry.keys.to(self.device), entry.values.to(self.device)
+                if self.on_redis_load is not None:
+                    self.on_redis_load(time.perf_counter() - started, entry.num_tokens)
                 self._ram_put(digest, entry)
                 return entry
         self.misses += 1
