@@ -443,3 +443,14 @@ def test_two_serve_processes_share_chunk_kv_through_redis(tiny_llama_dir, server
     first, second = answers
     assert first["stats"]["chunk_hits"] == 0 and second["stats"]["chunk_hits"] == 3
     assert stats["hits_redis"] >= 3 and second["token_ids"] == first["token_ids"]
+
+
+def test_every_store_counter_reaches_the_cache_stats_model():
+    """CacheStats ignores fields it does not declare: a StoreStats counter missing there would be
+    dropped from /v1/cache/stats without a word."""
+    import dataclasses
+
+    from engine_sidecar.store.chunk_store import StoreStats
+    from ragcache_integrations.api_models import CacheStats
+
+    assert {f.name for f in dataclasses.fields(StoreStats)} - set(CacheStats.model_fields) == set()
