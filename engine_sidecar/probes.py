@@ -60,6 +60,21 @@ class FidelityProbes:
                               self.convention)
         return torch.stack(rows), stats
 
+    def prefill_kv(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend", tenant: str = "",
+                   order: str = "preserve") -> tuple[tuple[int, ...], PrefillResult, GenerationStats]:
+        """The prompt's token ids and KV as the engine's prefill leaves them (the policy's fusion,
+        store reads, misses computed in place and committed), for a backend that decodes
+        elsewhere: the vLLM connector writes this KV into vLLM's paged cache."""
+        prompt, _, pol = self.prep.prepare(prompt, None, policy, order, tenant)
+        t0 = time.perf_counter()
+        self.prep.validate(prompt, 1)
+        with self._lock:
+            planned = self.planning.plan(prompt, pol, tenant)
+            planned, result = self._prefill(planned, pol, prompt, tenant, planned.plan.num_tokens, {})
+        stats = request_stats(planned, result, time.perf_counter() - t0, pol, {}, self.runner.num_layers,
+                              self.convention)
+        return tuple(planned.plan.token_ids), result, stats
+
     def measure_full_prefill(self, prompt: ChunkedPrompt | dict) -> float:
         """Seconds an ordinary full prefill of this prompt takes now, without touching the cache,
         the CA-Table or conversations: the baseline a reuse figure is compared with."""

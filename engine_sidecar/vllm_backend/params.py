@@ -1,0 +1,50 @@
+"""What a request tells ragcache's vLLM connector, and how many prompt tokens it may supply.
+
+A request carries its chunk structure in vLLM's per-request `kv_transfer_params` under the key
+`ragcache`; its prompt must be exactly the token ids ragcache lays out for that structure (the
+connector checks, and supplies nothing for a prompt that differs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ragcache_integrations.types import ChunkedPrompt
+
+PARAMS_KEY = "ragcache"
+
+
+class ConnectorParams(BaseModel):
+    """`kv_transfer_params["ragcache"]` of one vLLM request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: ChunkedPrompt
+    policy: str = Field("cacheblend", description="ragcache fusion policy for the supplied KV")
+    tenant: str = Field("", description="ragcache tenant; map it to vLLM's cache_salt as well")
+
+
+def connector_params(kv_transfer_params: dict[str, Any] | None) -> ConnectorParams | None:
+    """The request's ragcache params, or None when it has none (a plain vLLM request)."""
+    if not kv_transfer_params or PARAMS_KEY not in kv_transfer_params:
+        return None
+    return ConnectorParams.model_validate(kv_transfer_params[PARAMS_KEY])
+
+
+def request_params(prompt: ChunkedPrompt, policy: str = "cacheblend", tenant: str = "") -> dict[str, Any]:
+    """The `kv_transfer_params` value a client sends with the prompt's token ids."""
+    return {PARAMS_KEY: ConnectorParams(prompt=prompt, policy=policy, tenant=tenant).model_dump(mode="json")}
+
+
+def claimable_tokens(prompt_tokens: int, computed_tokens: int, block_size: int) -> int:
+    """Tokens the connector supplies beyond the `computed_tokens` vLLM already holds: whole
+    blocks only (vLLM allocates and caches KV by block), and never the last prompt token, whose
+    forward pass vLLM needs for the first token's logits."""
+    supplied_end = (prompt_tokens - 1) // block_size * block_size
+    return max(0, supplied_end - computed_tokens)
+
+
+def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """vLLM's cache slots of token positions [start, end) of a request holding `block_ids`."""
+    return [block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]

@@ -1,0 +1,88 @@
+"""Run with the vLLM virtualenv's python by tests/test_vllm_connector.py: one vLLM engine
+(in process, CPU) with ragcache's connector serves the cases below; prints one JSON object.
+
+argv: model folder, dtype."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+
+class Records(logging.Handler):
+    """The connector's per-request log lines, as data: (policy, supplied, chunk hits)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.rows: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("request %s: ragcache supplied"):
+            _, count, policy, hits, computed = record.args
+            self.rows.append({"supplied": count, "policy": policy, "chunk_hits": hits, "computed": computed})
+
+
+def main() -> None:
+    model_dir, dtype = sys.argv[1], sys.argv[2]
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the connector's log lines in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from engine_sidecar.prompt import PromptBuilder
+    from engine_sidecar.vllm_backend.connector import connector_config
+    from engine_sidecar.vllm_backend.params import request_params
+    from ragcache_integrations.types import Chunk, ChunkedPrompt
+
+    records = Records()
+    logger = logging.getLogger("ragcache.vllm")
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=4096, enable_prefix_caching=True,
+              kv_transfer_config=KVTransferConfig(**connector_config(0.5)))
+    builder = PromptBuilder.load(model_dir)
+    texts = {
+        "lyon": "Lyon is the third-largest city of France, at the confluence of the Rhone and the Saone. " * 6,
+        "bread": "Sourdough bread rises with wild yeast and lactic acid bacteria kept in a starter. " * 6,
+        "moon": "The Moon is Earth's only natural satellite; its far side was first photographed in 1959. " * 6,
+    }
+
+    def prompt(order: list[str], question: str) -> ChunkedPrompt:
+        return ChunkedPrompt(chunks=[Chunk(text=texts[c], id=c) for c in order], question=question)
+
+    def run(p: ChunkedPrompt, salt: str, policy: str | None, tenant: str = "") -> dict:
+        ids = builder.build(p).token_ids
+        extra = {"kv_transfer_params": request_params(p, policy, tenant)} if policy else None
+        sampling = SamplingParams(max_tokens=12, temperature=0.0, extra_args=extra)
+        before = len(records.rows)
+        out = llm.generate({"prompt_token_ids": ids, "cache_salt": salt}, sampling, use_tqdm=False)[0]
+        return {"prompt_tokens": len(ids), "cached": out.num_cached_tokens or 0,
+                "tokens": list(out.outputs[0].token_ids), "connector": records.rows[before:]}
+
+    first = prompt(["lyon", "bread", "moon"], "Where do the two rivers meet?")
+    again = prompt(["moon", "lyon", "bread"], "What rises sourdough bread?")
+    results = {
+        "native": run(first, "native", None),
+        "full": run(first, "full", "full"),
+        "fused_first": run(first, "fusion", "cacheblend"),
+        "fused_again": run(again, "fusion2", "cacheblend"),
+        "native_again": run(again, "native2", None),
+        "tenant_a": run(again, "tenant-a", "cacheblend", "team-a"),
+        "tenant_b": run(again, "tenant-b", "cacheblend", "team-b"),
+        "no_params": run(first, "plain", None),
+        "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+    }
+    from engine_sidecar.vllm_backend.connector import check_vllm_version
+
+    try:
+        check_vllm_version("0.31.2")
+        results["version_error"] = None
+    except RuntimeError as exc:
+        results["version_error"] = str(exc)
+    print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
