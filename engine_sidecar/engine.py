@@ -40,6 +40,7 @@ from engine_sidecar.reorder import ChunkAccessTable
 from engine_sidecar.request_prep import RequestPreparer
 from engine_sidecar.scheduler import Scheduler
 from engine_sidecar.sequence import GenerationStream, Sequence
+from engine_sidecar.split_prefill import SplitPrefill
 from engine_sidecar.stats import request_stats
 from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.entry import CacheKey, ChunkKV
@@ -58,11 +59,7 @@ from ragcache_integrations.types import (
 class Engine:
     def __init__(self, runner: ModelRunner, builder: PromptBuilder, store: ChunkStore, config: EngineConfig,
                  model_dir: Path):
-        self.runner = runner
-        self.builder = builder
-        self.store = store
-        self.config = config
-        self.model_dir = model_dir
+        self.runner, self.builder, self.store, self.config, self.model_dir = runner, builder, store, config, model_dir
         self.model_fp = model_fingerprint(model_dir, runner.dtype)
         self.tokenizer_fp = tokenizer_fingerprint(model_dir, builder.chat_template)
         self.keys = KeyFactory(self.model_fp, self.tokenizer_fp, config.reuse.convention)
@@ -85,6 +82,7 @@ class Engine:
         self.planning = PlanStage(self.planner, store, self.writer, self.costs, self.conversations, config)
         self.probes = FidelityProbes(runner, builder, self.prep, self._lock, self.planning, self._prefill,
                                      config.reuse.convention)
+        self.split = SplitPrefill(runner, self.prep, self.planning, self.writer, self._lock)  # vLLM connector
         c = runner.config
         kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
         self.scheduler = Scheduler(runner, self._lock, self._begin, self._complete, config.batching.max_batch,
