@@ -127,6 +127,10 @@ def fused_prefill(
 
     for layer in range(runner.num_layers):
         prefetcher.wait(layer)
+        if active.numel() == 0:  # every token reused exactly (a prefix-only run): the cached KV stands
+            if lazy:
+                dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n])
+            continue
         qkv = runner.qkv(layer, hidden)
         keep = policy.refine(
             LayerView(layer, active, must_keep, qkv.k, qkv.v, kv.keys_pre[layer, :n], kv.values[layer, :n],

@@ -67,3 +67,17 @@ def test_a_learned_chunk_stays_with_its_tenant(tiny_engine):
     engine.split.learn(run, keys, values)
     assert engine.split.prefix(p, "cacheblend", "team-a", upto=10_000).chunk_hits == 2
     assert engine.split.prefix(p, "cacheblend", "team-b", upto=10_000).chunk_hits == 0
+
+
+def test_a_prefix_reused_exactly_computes_nothing(tiny_engine):
+    # the same chunks after the same tokens: stored with their chain, reused exactly, no token
+    # active in any layer (the question is the other engine's to compute)
+    engine = tiny_engine
+    p = prompt("ab")
+    run = engine.split.prefix(p, "cacheblend", "", upto=0)
+    keys, values, _ = full_kv(engine, p)
+    engine.split.learn(run, keys, values)
+    question = next(s for s in run.planned.plan.spans if s.kind == "question")
+    again = engine.split.prefix(p, "cacheblend", "", upto=question.start)
+    assert again.chunk_hits == 2 and again.token_layers == 0 and again.end == question.start
+    assert torch.allclose(again.result.kv.keys[:, : again.end], keys[:, : again.end], atol=1e-4)

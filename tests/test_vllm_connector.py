@@ -20,6 +20,7 @@ from engine_sidecar.vllm_backend.params import (
     PARAMS_KEY,
     claimable_tokens,
     connector_params,
+    leading_resident_end,
     request_params,
     slot_mapping,
 )
@@ -33,6 +34,16 @@ def test_claims_whole_blocks_before_the_last_prompt_token():
     assert claimable_tokens(415, 256, 128) == 128  # beyond vLLM's own prefix-cache hit
     assert claimable_tokens(415, 384, 128) == 0
     assert claimable_tokens(100, 0, 128) == 0
+
+
+def test_the_claim_ends_with_the_leading_run_of_stored_chunks():
+    segments = [("prefix", "p", 20), ("chunk", "a", 100), ("chunk", "b", 100), ("chunk", "c", 100),
+                ("question", "q", 30)]
+    assert leading_resident_end(segments, {"a", "b"}) == 220
+    assert leading_resident_end(segments, {"a", "c"}) == 120  # c comes after a miss: vLLM computes both
+    assert leading_resident_end(segments, {"b", "c"}) == 0  # the template prefix alone is not claimed
+    assert leading_resident_end(segments, {"a", "b", "c", "q"}) == 320  # never the question
+    assert claimable_tokens(350, 0, 128, limit=320) == 256
 
 
 def test_slot_mapping_follows_the_block_table():
@@ -67,38 +78,58 @@ def vllm_run(smol_dir) -> dict:
 
 
 @pytest.mark.slow
+def test_vllms_cache_layout_is_read_back_exactly(vllm_run):
+    for dtype, check in vllm_run["layout"].items():
+        assert check["equal"], f"{dtype} ({check['isa']})"
+
+
+@pytest.mark.slow
+def test_new_chunks_are_computed_by_vllm_and_learned(vllm_run):
+    learn = vllm_run["learn"]
+    # nothing stored yet: nothing claimed, vLLM computed the whole prompt ...
+    assert learn["cached"] == 0 and learn["tokens"] == vllm_run["native"]["tokens"]
+    assert learn["stats"]["supplied_tokens"] == 0 and learn["stats"]["ragcache_token_layers"] == 0
+    # ... and ragcache kept its chunks from vLLM's cache: the next requests find them
+
+
+@pytest.mark.slow
 def test_full_through_the_connector_equals_native_vllm(vllm_run):
     native, full = vllm_run["native"], vllm_run["full"]
     assert full["tokens"] == native["tokens"]
-    supplied = claimable_tokens(full["prompt_tokens"], 0, vllm_run["block_size"])
-    assert supplied > 0
-    # vLLM counts the connector's tokens as cached: it computed only the rest itself
-    assert full["cached"] == supplied and native["cached"] == 0
-    assert full["connector"] == [{"supplied": supplied, "policy": "full", "chunk_hits": 0, "computed": 1.0}]
+    stats = full["stats"]
+    # the three stored chunks lead the prompt: every whole block before the question is supplied
+    assert stats["supplied_tokens"] == full["cached"] > 0 and native["cached"] == 0
+    assert full["prompt_tokens"] - full["cached"] < vllm_run["block_size"]
+    assert stats["chunk_hits"] == 0  # policy full computes its spans: KV equal to vLLM's own
+    assert stats["ragcache_token_layers"] >= stats["supplied_tokens"] * stats["layers"]
 
 
 @pytest.mark.slow
 def test_fused_chunks_cut_vllms_own_prefill_and_report_hits(vllm_run):
-    first, again = vllm_run["fused_first"], vllm_run["fused_again"]
-    assert first["connector"][0]["chunk_hits"] == 0  # the chunks were new: computed in place, stored
-    [supplied] = again["connector"]
-    assert supplied["chunk_hits"] == 3  # same passages, new order and question: fused
-    assert supplied["computed"] < 0.5
-    assert again["cached"] == supplied["supplied"] > 0
+    again = vllm_run["fused_again"]
+    stats = again["stats"]
+    assert stats["chunk_hits"] == 3  # same passages, new order and question: fused
+    assert again["cached"] == stats["supplied_tokens"] > 0
     assert again["prompt_tokens"] - again["cached"] < vllm_run["block_size"]
+    # ragcache's share of the work: the policy's recompute, well under a full prefill of them
+    assert 0 < stats["ragcache_token_layers"] < 0.5 * stats["supplied_tokens"] * stats["layers"]
 
 
 @pytest.mark.slow
 def test_tenants_never_share_chunk_kv(vllm_run):
-    # team-b asks right after team-a with the same chunks: ragcache's tenant keys keep them apart
-    assert vllm_run["tenant_a"]["connector"][0]["chunk_hits"] == 0
-    assert vllm_run["tenant_b"]["connector"][0]["chunk_hits"] == 0
+    a, a_again, b = vllm_run["tenant_a"], vllm_run["tenant_a_again"], vllm_run["tenant_b"]
+    assert a["stats"]["chunk_hits"] == 0 and a["cached"] == 0  # the default tenant's chunks are not team-a's
+    assert a_again["stats"]["chunk_hits"] == 3 and a_again["cached"] > 0
+    assert b["stats"]["chunk_hits"] == 0 and b["cached"] == 0  # nor team-a's team-b's
+    # team-a's second request reuses exactly the KV learned from vLLM: the same answer as native
+    assert a_again["stats"]["ragcache_token_layers"] == 0
+    assert a_again["tokens"] == vllm_run["native_again"]["tokens"]
 
 
 @pytest.mark.slow
 def test_requests_without_ragcache_params_are_plain_vllm(vllm_run):
     plain = vllm_run["no_params"]
-    assert plain["connector"] == [] and plain["cached"] == 0
+    assert plain["connector"] == [] and plain["cached"] == 0 and plain["stats"] is None
     assert plain["tokens"] == vllm_run["native"]["tokens"]
 
 

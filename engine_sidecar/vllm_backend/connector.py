@@ -1,22 +1,26 @@
 """ragcache as a vLLM v1 KV connector: vLLM schedules, batches, attends and decodes; ragcache
-supplies the prompt's KV.
+supplies the KV of the chunks it holds and learns the KV vLLM computes for the others.
 
 Load it with `--kv-transfer-config '{"kv_connector": "RagcacheConnector", "kv_role": "kv_both",
 "kv_connector_module_path": "engine_sidecar.vllm_backend.connector"}'` (or `connector_config()`),
 and send each request its chunk structure as `kv_transfer_params` (params.request_params) with
-the token ids ragcache lays out for it as the prompt.
+the token ids ragcache lays out for it as the prompt (chunks in the order to serve: the ones
+likely stored first, e.g. the CA-Table's order, so misses come after the hits).
 
-Scheduler side: a request with ragcache params whose prompt is exactly ragcache's layout gets
-every whole block before its last token claimed as external KV (vLLM's own prefix-cache hit
-first). Worker side: before the forward pass, ragcache's engine prefills the prompt as it would
-serve it (the policy's fusion of stored chunks, misses computed in place and stored for later
-requests) and the claimed rows of that KV are written into vLLM's paged cache with vLLM's own
-cache-write op; vLLM then computes only the rest. A load that fails is reported through
-`get_block_ids_with_load_errors`, and vLLM recomputes those blocks itself.
-
-This first version runs ragcache's prefill for the whole claimed prefix, misses included; the
-hits-first split (vLLM computing misses in context, ragcache learning their KV back from the
-paged cache) is the next step of issue 18. CPU only (vLLM's CPU attention backend)."""
+Scheduler side: for a request with ragcache params whose prompt is exactly ragcache's layout,
+the whole blocks up to the end of its leading run of stored chunks are claimed as external KV
+(beyond vLLM's own prefix-cache hit). Which chunks are stored, the scheduler learns from the
+workers (worker metadata after each step); a chunk gone since is computed in place by ragcache,
+so residency only decides speed, never correctness.
+Worker side: before the forward pass, ragcache plans the prompt and computes the leading spans
+(its stored chunks fused by the policy) and the claimed rows are written into vLLM's paged cache
+with vLLM's own cache-write op; vLLM computes the misses and the question in context. When the
+request's prompt is complete in the cache, ragcache reads the prompt's KV back (the layout inside
+a block is learned once from the write op itself), undoes the rotation and commits what was new:
+misses in place with their context, exactly as its own engine would. A load that fails is
+reported through `get_block_ids_with_load_errors` and vLLM recomputes those blocks.
+`request_finished` returns ragcache's stats for the request in `kv_transfer_params`.
+CPU only so far (vLLM's CPU attention backend)."""
 
 from __future__ import annotations
 
@@ -33,15 +37,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
-from engine_sidecar.vllm_backend.params import claimable_tokens, connector_params, slot_mapping
+from engine_sidecar.fingerprint import token_ids_digest
+from engine_sidecar.vllm_backend.params import (
+    ConnectorParams,
+    claimable_tokens,
+    connector_params,
+    leading_resident_end,
+    slot_mapping,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from engine_sidecar.split_prefill import PrefixRun
 
 log = logging.getLogger("ragcache.vllm")
 
@@ -59,8 +74,13 @@ def check_vllm_version(version: str = vllm.__version__) -> None:
 
 def connector_config(ram_cache_gb: float = 2.0) -> dict[str, Any]:
     """The `kv_transfer_config` that loads this connector."""
+    # a load that fails is recomputed by vLLM (its default fails the request)
     return {"kv_connector": "RagcacheConnector", "kv_role": "kv_both", "kv_connector_module_path": MODULE_PATH,
-            "kv_connector_extra_config": {"ram_cache_gb": ram_cache_gb}}
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"ram_cache_gb": ram_cache_gb}}
+
+
+def residency_key(tenant: str, chunk_token_ids: tuple[int, ...] | list[int]) -> str:
+    return f"{tenant}\x00{token_ids_digest(list(chunk_token_ids))}"
 
 
 @dataclass
@@ -76,8 +96,87 @@ class LoadRequest:
 
 
 @dataclass
+class SaveRequest:
+    """A request whose prompt is complete in vLLM's cache after this step: ragcache learns from it."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    params: dict[str, Any]
+
+
+@dataclass
 class RagcacheConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadRequest] = field(default_factory=list)
+    saves: list[SaveRequest] = field(default_factory=list)
+
+
+@dataclass
+class RagcacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler after a step: chunks now stored, and finished requests' stats."""
+
+    resident: set[str] = field(default_factory=set)
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, RagcacheWorkerMetadata):
+            self.resident |= other.resident
+            self.stats.update(other.stats)
+        return self
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of a request with ragcache params, until its prompt is learned."""
+
+    params: dict[str, Any]
+    external: int = 0
+    blocks: list[int] = field(default_factory=list)
+    saved: bool = False
+
+
+class CacheLayout:
+    """Where vLLM's CPU cache-write op puts token t, head h, dimension d inside a block (it
+    differs by ISA and dtype, and is not an API), learned by writing coded values into a scratch
+    block: key_offsets / value_offsets [block_size, Hkv * D] index a block's flat storage."""
+
+    DIGIT = 128  # exact in bf16
+
+    def __init__(self, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, isa: str):
+        self.block_size = block_size
+        count = block_size * kv_heads * head_dim
+        codes = torch.arange(count).view(block_size, kv_heads, head_dim)
+        scratch = torch.empty(1, kv_heads, block_size, 2 * head_dim, dtype=dtype)
+        slots = torch.arange(block_size, dtype=torch.long)
+        offsets = {}
+        for part in ("key", "value"):
+            found = torch.zeros(scratch.numel(), dtype=torch.long)
+            written = torch.zeros(scratch.numel(), dtype=torch.bool)
+            for power in range(3):
+                digit = (codes // self.DIGIT**power % self.DIGIT).to(dtype)
+                other = torch.full_like(digit, -2)
+                scratch.fill_(-1)
+                keys, values = (digit, other) if part == "key" else (other, digit)
+                _write_block(scratch, keys, values, slots, isa)
+                flat = scratch.view(-1).float()
+                mask = flat >= 0
+                written |= mask
+                found[mask] += flat[mask].long() * self.DIGIT**power
+            where = written.nonzero().squeeze(1)
+            if where.numel() != count:
+                raise RuntimeError(f"vLLM's cache layout not understood ({part}s: {where.numel()} of {count} cells)")
+            index = torch.empty(count, dtype=torch.long)
+            index[found[where]] = where
+            offsets[part] = index.view(block_size, kv_heads * head_dim)
+        self.key_offsets, self.value_offsets = offsets["key"], offsets["value"]
+
+    def read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [n, Hkv, D] at `slots` of one layer's cache [blocks, Hkv, bs, 2D]."""
+        flat = cache.view(cache.shape[0], -1)
+        blocks, rows = slots // self.block_size, slots % self.block_size
+        shape = (slots.shape[0], cache.shape[1], -1)
+        return (flat[blocks[:, None], self.key_offsets[rows]].view(shape),
+                flat[blocks[:, None], self.value_offsets[rows]].view(shape))
 
 
 class RagcacheConnector(KVConnectorBase_V1):
@@ -91,12 +190,21 @@ class RagcacheConnector(KVConnectorBase_V1):
         self.dtype = vllm_config.model_config.dtype
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.ram_cache_bytes = int(float(extra.get("ram_cache_gb", 2.0)) * (1 << 30))
-        self._pending: dict[str, tuple[Request, int]] = {}  # scheduler: claimed, awaiting blocks
-        self._builder: Any = None  # scheduler: ragcache's prompt layout (tokenizer only)
-        self._engine: Any = None  # worker: ragcache's engine, loaded on first use
+        # scheduler side
+        self._tracked: dict[str, _Tracked] = {}
+        self._resident: set[str] = set()  # residency keys the workers reported stored
+        self._stats: dict[str, dict[str, Any]] = {}
+        self._builder: Any = None  # ragcache's prompt layout (tokenizer only)
+        # worker side
+        self._engine: Any = None  # ragcache's engine, loaded on first use
         self._engine_lock = threading.Lock()
+        self._caches: dict[str, torch.Tensor] = {}
+        self._isa: dict[str, str] = {}
+        self._layouts: dict[str, CacheLayout] = {}
+        self._runs: dict[str, tuple[PrefixRun, int]] = {}  # request -> (ragcache's run, rows supplied)
         self._failed_blocks: set[int] = set()
-        self.supplied_tokens = 0  # worker: rows written into vLLM's cache so far
+        self._report = RagcacheWorkerMetadata()
+        self.supplied_tokens = 0
 
     # --- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -108,67 +216,175 @@ class RagcacheConnector(KVConnectorBase_V1):
         if params is None:
             return 0, False
         ids = list(request.prompt_token_ids or [])
-        if self._layout(params.prompt) != ids:
+        segments = self._layout(params.prompt)
+        if [t for s in segments for t in s.token_ids] != ids:
             log.warning("request %s: prompt is not ragcache's layout of its chunks: nothing supplied",
                         request.request_id)
             return 0, False
-        return claimable_tokens(len(ids), num_computed_tokens, self.block_size), False
+        self._tracked[request.request_id] = _Tracked(dict(request.kv_transfer_params or {}))
+        described = [(s.kind, residency_key(params.tenant, s.token_ids), len(s.token_ids)) for s in segments]
+        limit = leading_resident_end(described, self._resident)
+        return claimable_tokens(len(ids), num_computed_tokens, self.block_size, limit), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens > 0:
-            self._pending[request.request_id] = (request, num_external_tokens)
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None:
+            tracked.external = num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = RagcacheConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            pending = self._pending.pop(new.req_id, None)
-            if pending is None:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
                 continue
-            request, count = pending
-            meta.loads.append(LoadRequest(new.req_id, list(new.prompt_token_ids or []), list(new.block_ids[0]),
-                                          new.num_computed_tokens - count, count,
-                                          dict(request.kv_transfer_params or {})))
-        # a claimed request preempted before its first step is claimed again when rescheduled
-        self._pending.clear()
+            ids = list(new.prompt_token_ids or [])
+            tracked.blocks = list(new.block_ids[0])
+            if tracked.external:
+                meta.loads.append(LoadRequest(new.req_id, ids, list(tracked.blocks),
+                                              new.num_computed_tokens - tracked.external, tracked.external,
+                                              tracked.params))
+            self._maybe_save(meta, new.req_id, tracked, ids, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None or tracked.saved:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                if req_id in cached.resumed_req_ids:  # after preemption: all of its blocks
+                    tracked.blocks = list(new_blocks[0])
+                else:
+                    tracked.blocks.extend(new_blocks[0])
+            prompt = self._prompt_ids(tracked)
+            self._maybe_save(meta, req_id, tracked, prompt, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
 
-    def _layout(self, prompt: Any) -> list[int]:
+    def _maybe_save(self, meta: RagcacheConnectorMetadata, req_id: str, tracked: _Tracked, ids: list[int],
+                    done: int) -> None:
+        if not tracked.saved and ids and done >= len(ids):
+            tracked.saved = True
+            meta.saves.append(SaveRequest(req_id, ids, list(tracked.blocks), tracked.params))
+
+    def _prompt_ids(self, tracked: _Tracked) -> list[int]:
+        params = connector_params(tracked.params)
+        assert params is not None
+        return [t for s in self._layout(params.prompt) for t in s.token_ids]
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(report, RagcacheWorkerMetadata):
+            self._resident |= report.resident
+            # a request that finished in the step that completed its prompt (one output token)
+            # was released before its stats arrived: they are dropped, not kept forever
+            self._stats.update({k: v for k, v in report.stats.items() if k in self._tracked})
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        stats = self._stats.pop(request.request_id, None)
+        return False, ({"ragcache": stats} if stats is not None else None)
+
+    def _layout(self, prompt: Any) -> list[Any]:
         if self._builder is None:
             from engine_sidecar.prompt import PromptBuilder
 
             self._builder = PromptBuilder.load(self.model_dir)
-        return list(self._builder.build(prompt).token_ids)
+        return list(self._builder.build(prompt).segments)
 
     # --- worker side --------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._caches = dict(kv_caches)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        for name, layer in forward_context.no_compile_layers.items():
+            if name not in self._isa and getattr(layer, "isa", None) is not None:
+                self._isa[name] = layer.isa
         meta = self._get_connector_metadata()
         assert isinstance(meta, RagcacheConnectorMetadata)
         for load in meta.loads:
             try:
-                self._load(load, forward_context)
+                self._load(load)
             except Exception:  # vLLM recomputes what was not written; the request still succeeds
                 log.exception("request %s: ragcache KV not supplied; vLLM recomputes it", load.req_id)
                 self._failed_blocks.update(_blocks_of(load, self.block_size))
 
-    def _load(self, load: LoadRequest, forward_context: ForwardContext) -> None:
-        params = connector_params(load.params)
-        assert params is not None
-        ids, result, stats = self._worker_engine().probes.prefill_kv(params.prompt, params.policy, params.tenant)
+    def _load(self, load: LoadRequest) -> None:
+        params = _params(load.params)
         end = load.start + load.count
-        if list(ids[:end]) != load.token_ids[:end]:
-            raise RuntimeError("ragcache's prefill laid the prompt out differently from the request's tokens")
+        run = self._worker_engine().split.prefix(params.prompt, params.policy, params.tenant, upto=end)
+        if run.result is None or run.end < end or run.token_ids[:end] != load.token_ids[:end]:
+            raise RuntimeError("ragcache's plan does not cover the claimed tokens of this prompt")
         slots = torch.tensor(slot_mapping(load.block_ids, self.block_size, load.start, end), dtype=torch.long)
-        for name, layer in forward_context.no_compile_layers.items():
-            cache = getattr(layer, "kv_cache", None)
+        for name, cache in self._caches.items():
             found = _LAYER_INDEX.search(name)
-            if cache is None or found is None:
+            if found is None:
                 continue
             index = int(found.group(1))
-            _write_layer(cache, result.kv.keys[index, load.start:end], result.kv.values[index, load.start:end],
-                         slots, layer)
+            _write_block(_one(cache), run.result.kv.keys[index, load.start : end],
+                         run.result.kv.values[index, load.start : end], slots, self._isa[name])
+        self._runs[load.req_id] = (run, load.count)
         self.supplied_tokens += load.count
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, RagcacheConnectorMetadata)
+        for save in meta.saves:
+            try:
+                self._learn(save)
+            except Exception:  # learning is an optimisation: the request is served either way
+                log.exception("request %s: ragcache did not learn this prompt's KV", save.req_id)
+            finally:
+                self._runs.pop(save.req_id, None)
+
+    def _learn(self, save: SaveRequest) -> None:
+        params = _params(save.params)
+        engine = self._worker_engine()
+        run, supplied = self._runs.get(save.req_id) or (engine.split.prefix(params.prompt, params.policy,
+                                                                            params.tenant, upto=0), 0)
+        n = len(save.token_ids)
+        if run.token_ids != save.token_ids:
+            raise RuntimeError("ragcache's layout of this prompt differs from vLLM's tokens")
+        slots = torch.tensor(slot_mapping(save.block_ids, self.block_size, 0, n), dtype=torch.long)
+        layers = sorted((int(m.group(1)), name) for name in self._caches if (m := _LAYER_INDEX.search(name)))
+        keys, values = zip(*(self._layout_for(name).read(_one(self._caches[name]), slots) for _, name in layers),
+                           strict=True)
+        engine.split.learn(run, torch.stack(keys), torch.stack(values))
+        chunks = [s for s in run.planned.plan.spans if s.kind == "chunk"]
+        self._report.resident |= {residency_key(params.tenant, s.token_ids) for s in chunks}
+        stats = {"supplied_tokens": supplied, "prompt_tokens": n, "chunk_hits": run.chunk_hits,
+                 "chunks": len(chunks), "policy": params.policy,
+                 "ragcache_token_layers": run.token_layers, "layers": engine.runner.num_layers}
+        self._report.stats[save.req_id] = stats
         log.info("request %s: ragcache supplied %d tokens (policy %s, chunk hits %d, computed %.3f)",
-                 load.req_id, load.count, params.policy, stats.chunk_hits, stats.computed_fraction)
+                 save.req_id, supplied, params.policy, run.chunk_hits,
+                 run.token_layers / max(1, n * engine.runner.num_layers))
+
+    def _layout_for(self, name: str) -> CacheLayout:
+        cache = _one(self._caches[name])
+        isa = self._isa[name]
+        key = f"{isa}/{cache.dtype}/{tuple(cache.shape[1:])}"
+        if key not in self._layouts:
+            _, kv_heads, block_size, twice_dim = cache.shape
+            self._layouts[key] = CacheLayout(kv_heads, block_size, twice_dim // 2, cache.dtype, isa)
+        return self._layouts[key]
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._report.resident and not self._report.stats:
+            return None
+        report, self._report = self._report, RagcacheWorkerMetadata()
+        return report
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
 
     def _worker_engine(self) -> Any:
         with self._engine_lock:
@@ -182,18 +398,15 @@ class RagcacheConnector(KVConnectorBase_V1):
                                                       ram_cache_bytes=self.ram_cache_bytes)
             return self._engine
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return
+def _params(raw: dict[str, Any]) -> ConnectorParams:
+    params = connector_params(raw)
+    assert params is not None
+    return params
 
-    def wait_for_save(self) -> None:
-        return
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
+def _one(cache: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    return cache[0] if isinstance(cache, list) else cache
 
 
 def _blocks_of(load: LoadRequest, block_size: int) -> set[int]:
@@ -201,13 +414,10 @@ def _blocks_of(load: LoadRequest, block_size: int) -> set[int]:
     return set(load.block_ids[first : last + 1])
 
 
-def _write_layer(cache: torch.Tensor | list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
-                 slots: torch.Tensor, layer: Any) -> None:
-    """Rotated keys and values [n, Hkv, D] into one layer's paged cache at `slots`, with the op
-    vLLM's CPU backend writes its own KV with (the layout inside a block is the backend's)."""
-    if isinstance(cache, list):
-        cache = cache[0]
+def _write_block(cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, isa: str) -> None:
+    """Rotated keys and values [n, Hkv, D] into one layer's paged cache [blocks, Hkv, bs, 2D] at
+    `slots`, with the op vLLM's CPU backend writes its own KV with."""
     num_blocks, kv_heads, block_size, _ = cache.size()
     key_cache, value_cache = cache.view(num_blocks, kv_heads, block_size * 2, -1).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(keys.to(cache.dtype).contiguous(), values.to(cache.dtype).contiguous(),
-                                   key_cache, value_cache, slots, layer.isa)
+                                   key_cache, value_cache, slots, isa)

@@ -37,12 +37,28 @@ def request_params(prompt: ChunkedPrompt, policy: str = "cacheblend", tenant: st
     return {PARAMS_KEY: ConnectorParams(prompt=prompt, policy=policy, tenant=tenant).model_dump(mode="json")}
 
 
-def claimable_tokens(prompt_tokens: int, computed_tokens: int, block_size: int) -> int:
-    """Tokens the connector supplies beyond the `computed_tokens` vLLM already holds: whole
-    blocks only (vLLM allocates and caches KV by block), and never the last prompt token, whose
-    forward pass vLLM needs for the first token's logits."""
-    supplied_end = (prompt_tokens - 1) // block_size * block_size
-    return max(0, supplied_end - computed_tokens)
+def claimable_tokens(prompt_tokens: int, computed_tokens: int, block_size: int, limit: int | None = None) -> int:
+    """Tokens the connector supplies beyond the `computed_tokens` vLLM already holds, up to
+    position `limit` (default: the whole prompt): whole blocks only (vLLM allocates and caches KV
+    by block), and never the last prompt token, whose forward pass vLLM needs for the first
+    token's logits."""
+    end = prompt_tokens - 1 if limit is None else min(limit, prompt_tokens - 1)
+    return max(0, end // block_size * block_size - computed_tokens)
+
+
+def leading_resident_end(segments: list[tuple[str, str, int]], resident: set[str]) -> int:
+    """End position of the prompt's leading run of stored chunks: `segments` are (kind, residency
+    key, length) in prompt order; the template prefix before them counts with them (ragcache
+    computes or keeps it), the run stops at the first chunk not resident or at the question."""
+    end = position = 0
+    for kind, key, length in segments:
+        position += length
+        if kind == "prefix":
+            continue
+        if kind != "chunk" or key not in resident:
+            break
+        end = position
+    return end
 
 
 def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:

@@ -24,6 +24,25 @@ class Records(logging.Handler):
             self.rows.append({"supplied": count, "policy": policy, "chunk_hits": hits, "computed": computed})
 
 
+def layout_roundtrip() -> dict:
+    """KV written with vLLM's CPU cache op at scattered slots reads back equal (both dtypes)."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from engine_sidecar.vllm_backend.connector import CacheLayout, _write_block
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        isa = _get_attn_isa(dtype, 128, 64)
+        cache = torch.zeros(4, 3, 128, 128, dtype=dtype)
+        slots = torch.tensor([5, 130, 131, 300, 511, 0])
+        keys, values = torch.randn(6, 3, 64).to(dtype), torch.randn(6, 3, 64).to(dtype)
+        _write_block(cache, keys, values, slots, isa)
+        read_k, read_v = CacheLayout(3, 128, 64, dtype, isa).read(cache, slots)
+        out[str(dtype)] = {"isa": isa, "equal": bool(torch.equal(read_k, keys) and torch.equal(read_v, values))}
+    return out
+
+
 def main() -> None:
     model_dir, dtype = sys.argv[1], sys.argv[2]
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the connector's log lines in this process
@@ -39,6 +58,7 @@ def main() -> None:
     records = Records()
     logger = logging.getLogger("ragcache.vllm")
     logger.addHandler(records)
+    logger.addHandler(logging.StreamHandler())  # the connector's warnings and errors, for a failing test
     logger.setLevel(logging.INFO)
     llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=4096, enable_prefix_caching=True,
               kv_transfer_config=KVTransferConfig(**connector_config(0.5)))
@@ -59,20 +79,25 @@ def main() -> None:
         before = len(records.rows)
         out = llm.generate({"prompt_token_ids": ids, "cache_salt": salt}, sampling, use_tqdm=False)[0]
         return {"prompt_tokens": len(ids), "cached": out.num_cached_tokens or 0,
-                "tokens": list(out.outputs[0].token_ids), "connector": records.rows[before:]}
+                "tokens": list(out.outputs[0].token_ids), "connector": records.rows[before:],
+                "stats": (out.kv_transfer_params or {}).get("ragcache")}
 
     first = prompt(["lyon", "bread", "moon"], "Where do the two rivers meet?")
     again = prompt(["moon", "lyon", "bread"], "What rises sourdough bread?")
     results = {
         "native": run(first, "native", None),
+        # nothing stored yet: vLLM computes the prompt, ragcache learns its chunks from vLLM's cache
+        "learn": run(first, "learn", "cacheblend"),
+        # now stored: ragcache supplies the leading chunks (full prefill), vLLM the rest
         "full": run(first, "full", "full"),
-        "fused_first": run(first, "fusion", "cacheblend"),
-        "fused_again": run(again, "fusion2", "cacheblend"),
+        "fused_again": run(again, "fusion", "cacheblend"),
         "native_again": run(again, "native2", None),
         "tenant_a": run(again, "tenant-a", "cacheblend", "team-a"),
+        "tenant_a_again": run(again, "tenant-a2", "cacheblend", "team-a"),
         "tenant_b": run(again, "tenant-b", "cacheblend", "team-b"),
         "no_params": run(first, "plain", None),
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+        "layout": layout_roundtrip(),
     }
     from engine_sidecar.vllm_backend.connector import check_vllm_version
 
