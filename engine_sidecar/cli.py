@@ -337,7 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     wl.add_argument("--ratio", type=float, default=0.15, help="cacheblend recompute ratio for fusion systems")
     wl.add_argument("--max-tokens", type=int, default=8)
     wl.add_argument("--systems", default=",".join(["full", "prefix", "prefix+reorder", "fusion", "fusion+reorder",
-                                                    "vllm-apc", "vllm-apc+reorder"]))
+                                                    "vllm-apc", "vllm-apc+reorder"]),
+                    help="comma list of full, prefix, prefix+reorder, fusion, fusion+reorder, fusion+hits-first, "
+                         "fusion+misses-first, vllm-apc, vllm-apc+reorder, vllm+ragcache (vLLM with ragcache's "
+                         "KV connector, chunks in CA-Table order; docs/deployment.md)")
     wl.add_argument("--vllm-python", type=Path, default=None,
                     help="python of the vLLM virtualenv (default: .venv-vllm/bin/python or $RAGCACHE_VLLM_PYTHON)")
     wl.add_argument("--json", type=Path, default=None)

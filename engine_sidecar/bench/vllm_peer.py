@@ -41,8 +41,9 @@ class VllmResponse:
 
 class VllmServer:
     def __init__(self, python: Path, model_dir: Path, dtype: str, max_model_len: int, log_path: Path,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, kv_transfer_config: dict | None = None):
         self.python, self.model_dir, self.dtype = python, model_dir, dtype
+        self.kv_transfer_config = kv_transfer_config
         self.extra_env = env or {}
         self.max_model_len, self.log_path = max_model_len, log_path
         self.port = free_port()
@@ -56,6 +57,8 @@ class VllmServer:
                "--served-model-name", "peer", "--dtype", self.dtype, "--enforce-eager", "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--max-model-len", str(self.max_model_len),
                "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.kv_transfer_config is not None:  # ragcache's connector (engine_sidecar/vllm_backend)
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -81,10 +84,13 @@ class VllmServer:
         self.client.close()
         self._log.close()
 
-    def complete(self, prompt_ids: list[int], max_tokens: int, cache_salt: str) -> VllmResponse:
+    def complete(self, prompt_ids: list[int], max_tokens: int, cache_salt: str,
+                 kv_transfer_params: dict | None = None) -> VllmResponse:
         body = {"model": "peer", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}, "cache_salt": cache_salt,
                 "return_token_ids": True}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
         start = time.perf_counter()
         ttft = None
         tokens: list[int] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +38,14 @@ from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.prompt import PromptBuilder, segment_digest
 from engine_sidecar.reorder import ChunkAccessTable
 from engine_sidecar.store.chunk_store import ChunkStore
+from engine_sidecar.vllm_backend.params import connector_config, request_params
 from ragcache_integrations.types import Chunk, ChunkedPrompt
 
 ALL_SYSTEMS = ["full", "prefix", "prefix+reorder", "fusion", "fusion+reorder", "fusion+hits-first",
-               "fusion+misses-first", "vllm-apc", "vllm-apc+reorder"]
+               "fusion+misses-first", "vllm-apc", "vllm-apc+reorder", "vllm+ragcache"]
+# vLLM with ragcache's KV connector (engine_sidecar/vllm_backend): chunks in the client's CA-Table
+# order (chunks sent before lead, so the stored ones come first), the fusion policy in the connector
+CONNECTOR_SYSTEM = "vllm+ragcache"
 
 
 @dataclass
@@ -125,11 +130,18 @@ def run_workload(args: argparse.Namespace) -> int:
             # engine loop spins while idle (over one core here), which would slow the engine
             # systems beside it: it sleeps when idle and its OpenMP threads wait passively, as
             # the engine's do (measured on these 2 cores: no slower for vLLM itself).
+            stats_path = None
+            connector = None
+            if CONNECTOR_SYSTEM in vllm_systems:
+                stats_path = log_path.with_suffix(".ragcache-stats.jsonl")
+                stats_path.unlink(missing_ok=True)
+                connector = connector_config(args.ram_cache_gb, str(stats_path.resolve()))
             server = stack.enter_context(VllmServer(
                 python, model_dir, args.dtype if args.dtype != "auto" else "float32", 8192, log_path,
-                env={"VLLM_SLEEP_WHEN_IDLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}))
+                env={"VLLM_SLEEP_WHEN_IDLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}, kv_transfer_config=connector))
             server.complete(builder.encode("warm up"), 1, "warmup")
-            replay = VllmReplay(server, builder, corpus.passages, vllm_systems, args.max_tokens)
+            replay = VllmReplay(server, builder, corpus.passages, vllm_systems, args.max_tokens,
+                                f"cacheblend:{args.ratio}", stats_path)
         for request in track(stream, description="requests (every system in turn)", console=console):
             for system in engine_systems:
                 policy, order, _ = engine_setup(system, args.ratio)
@@ -163,9 +175,11 @@ class VllmReplay:
     `cache_salt` so their prefix caches stay apart."""
 
     def __init__(self, server: VllmServer, builder: PromptBuilder, passages: dict[str, str], systems: list[str],
-                 max_tokens: int):
+                 max_tokens: int, connector_policy: str = "cacheblend", stats_path: Path | None = None):
         self.server, self.builder, self.passages, self.systems = server, builder, passages, systems
         self.max_tokens = max_tokens
+        self.connector_policy, self.stats_path = connector_policy, stats_path
+        self.stats_read = 0  # lines of the connector's stats file consumed
         self.eos = {builder.tokenizer.eos_token_id, builder.tokenizer.convert_tokens_to_ids("<|im_end|>")}
         self.tables = {s: ChunkAccessTable() for s in systems}
         self.conversations: dict[tuple[str, str], tuple[list[int], set[str]]] = {}
@@ -175,7 +189,7 @@ class VllmReplay:
         for system in self.systems:
             prompt = prompt_for(self.passages, request, system)
             self.tables[system].record([c.id or "" for c in prompt.chunks])
-            if system.endswith("+reorder"):
+            if system.endswith("+reorder") or system == CONNECTOR_SYSTEM:
                 prompt = prompt.model_copy(update={"chunks": self.tables[system].sort(prompt.chunks, lambda c: c.id)})
             key = (system, prompt.conversation_id or "")
             history = self.conversations.get(key) if prompt.conversation_id else None
@@ -187,22 +201,44 @@ class VllmReplay:
                 assembled = builder.build_followup(prompt, known)
                 ids = history[0] + assembled.token_ids
             chunk_segs = [s for s in assembled.segments if s.kind == "chunk"]
-            response = self.server.complete(ids, self.max_tokens, system)
+            # the connector supplies KV for ragcache's own layout; a follow-up turn (history + new
+            # turn) is not one, and goes to vLLM as a plain request (its prefix cache holds the history)
+            params = (request_params(prompt, self.connector_policy)
+                      if system == CONNECTOR_SYSTEM and history is None else None)
+            response = self.server.complete(ids, self.max_tokens, system, params)
             answer = [t for t in response.token_ids if t not in self.eos]
             if prompt.conversation_id:
                 self.conversations[key] = (ids + answer, known | {segment_digest(s) for s in chunk_segs})
             log = logs[system]
             log.ttft.append(response.ttft_s)
-            log.computed.append(1.0 - response.cached_tokens / max(1, response.prompt_tokens))
+            stats = self._connector_stats() if params is not None else None
+            prompt_tokens = max(1, response.prompt_tokens)
+            computed = 1.0 - response.cached_tokens / prompt_tokens
+            if stats is not None:  # ragcache's work for the tokens it supplied counts too
+                computed += stats["ragcache_token_layers"] / (stats["layers"] * prompt_tokens)
+            log.computed.append(computed)
             end = len(ids) - len(assembled.token_ids)
             for seg in assembled.segments:
                 end += len(seg.token_ids)
                 if seg.kind == "chunk":
                     log.lookups += 1
-                    log.hits += int(end <= response.cached_tokens)
+                    if stats is None:
+                        log.hits += int(end <= response.cached_tokens)
+            if stats is not None:
+                log.hits += stats["chunk_hits"]
             log.orders.append([s.chunk_id or "" for s in chunk_segs])
             log.answers.append(builder.decode(answer))
             log.prompt_tokens.append(response.prompt_tokens)
+
+
+    def _connector_stats(self) -> dict[str, Any] | None:
+        """The connector's stats line for the request just served (written before its first
+        token: ragcache learns the prompt in the step that completes it)."""
+        if self.stats_path is None or not self.stats_path.exists():
+            return None
+        lines = self.stats_path.read_text(encoding="utf-8").splitlines()
+        new, self.stats_read = lines[self.stats_read :], len(lines)
+        return json.loads(new[-1]) if new else None
 
 
 def _p(values: list[float], q: float) -> float:

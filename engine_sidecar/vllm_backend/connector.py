@@ -24,6 +24,7 @@ CPU only so far (vLLM's CPU attention backend)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -62,7 +63,6 @@ log = logging.getLogger("ragcache.vllm")
 
 # the connector API is marked experimental and the CPU cache layout is backend-internal
 SUPPORTED_VLLM = ("0.32.",)
-MODULE_PATH = "engine_sidecar.vllm_backend.connector"
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -70,13 +70,6 @@ def check_vllm_version(version: str = vllm.__version__) -> None:
     if not version.startswith(SUPPORTED_VLLM):
         raise RuntimeError(f"ragcache's vLLM connector supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; "
                            f"this is vLLM {version}: install the tested one with `make vllm-env`")
-
-
-def connector_config(ram_cache_gb: float = 2.0) -> dict[str, Any]:
-    """The `kv_transfer_config` that loads this connector."""
-    # a load that fails is recomputed by vLLM (its default fails the request)
-    return {"kv_connector": "RagcacheConnector", "kv_role": "kv_both", "kv_connector_module_path": MODULE_PATH,
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"ram_cache_gb": ram_cache_gb}}
 
 
 def residency_key(tenant: str, chunk_token_ids: tuple[int, ...] | list[int]) -> str:
@@ -190,6 +183,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         self.dtype = vllm_config.model_config.dtype
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.ram_cache_bytes = int(float(extra.get("ram_cache_gb", 2.0)) * (1 << 30))
+        self.stats_path = extra.get("stats_path")
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._resident: set[str] = set()  # residency keys the workers reported stored
@@ -363,6 +357,9 @@ class RagcacheConnector(KVConnectorBase_V1):
                  "chunks": len(chunks), "policy": params.policy,
                  "ragcache_token_layers": run.token_layers, "layers": engine.runner.num_layers}
         self._report.stats[save.req_id] = stats
+        if self.stats_path:
+            with open(self.stats_path, "a", encoding="utf-8") as out:
+                out.write(json.dumps({"request_id": save.req_id, **stats}) + "\n")
         log.info("request %s: ragcache supplied %d tokens (policy %s, chunk hits %d, computed %.3f)",
                  save.req_id, supplied, params.policy, run.chunk_hits,
                  run.token_layers / max(1, n * engine.runner.num_layers))

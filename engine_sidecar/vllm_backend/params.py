@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ragcache_integrations.types import ChunkedPrompt
 
 PARAMS_KEY = "ragcache"
+MODULE_PATH = "engine_sidecar.vllm_backend.connector"
 
 
 class ConnectorParams(BaseModel):
@@ -64,3 +65,15 @@ def leading_resident_end(segments: list[tuple[str, str, int]], resident: set[str
 def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
     """vLLM's cache slots of token positions [start, end) of a request holding `block_ids`."""
     return [block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
+
+
+def connector_config(ram_cache_gb: float = 2.0, stats_path: str | None = None) -> dict[str, Any]:
+    """The `kv_transfer_config` that loads this connector. `stats_path`: a file the worker appends
+    one JSON line of ragcache stats to per request (streamed responses carry no
+    `kv_transfer_params`, so a benchmark reads them there)."""
+    extra: dict[str, Any] = {"ram_cache_gb": ram_cache_gb}
+    if stats_path:
+        extra["stats_path"] = stats_path
+    # a load that fails is recomputed by vLLM (its default fails the request)
+    return {"kv_connector": "RagcacheConnector", "kv_role": "kv_both", "kv_connector_module_path": MODULE_PATH,
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}

@@ -51,8 +51,7 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     from engine_sidecar.prompt import PromptBuilder
-    from engine_sidecar.vllm_backend.connector import connector_config
-    from engine_sidecar.vllm_backend.params import request_params
+    from engine_sidecar.vllm_backend.params import connector_config, request_params
     from ragcache_integrations.types import Chunk, ChunkedPrompt
 
     records = Records()
