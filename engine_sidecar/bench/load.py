@@ -24,8 +24,12 @@ from rich.console import Console
 from engine_sidecar.bench.report import args_config, publish
 from engine_sidecar.bench.stream import load_corpus
 from engine_sidecar.bench.vllm_peer import VLLM_ENV_HELP, VllmServer, find_vllm_python
+from engine_sidecar.vllm_backend.params import connector_config
 
-SYSTEMS = ("ragcache", "ragcache-1seq", "vllm-apc")
+SYSTEMS = ("ragcache", "ragcache-1seq", "vllm-apc", "vllm+ragcache")
+# vLLM with ragcache's KV connector (engine_sidecar/vllm_backend): the same vLLM server as vllm-apc,
+# its own cache_salt, each request carrying its chunk structure
+CONNECTOR_SYSTEM = "vllm+ragcache"
 
 
 @dataclass(frozen=True)
@@ -94,15 +98,20 @@ class RagcacheTarget:
 
 
 class VllmTarget:
-    def __init__(self, server: VllmServer, builder: Any, max_tokens: int):
+    def __init__(self, server: VllmServer, builder: Any, max_tokens: int, salt: str = "load",
+                 connector_policy: str | None = None):
         self.server, self.builder, self.max_tokens = server, builder, max_tokens
+        self.salt, self.connector_policy = salt, connector_policy
         self.make_client = lambda: None
 
     def ask(self, client: Any, request: ChatRequest) -> tuple[float, int]:
+        from engine_sidecar.vllm_backend.params import request_params
         from ragcache_integrations.types import ChunkedPrompt
 
-        ids = self.builder.build(ChunkedPrompt.model_validate(request.prompt())).token_ids
-        response = self.server.complete(list(ids), self.max_tokens, cache_salt="load")
+        prompt = ChunkedPrompt.model_validate(request.prompt())
+        ids = self.builder.build(prompt).token_ids
+        params = request_params(prompt, self.connector_policy) if self.connector_policy else None
+        response = self.server.complete(list(ids), self.max_tokens, self.salt, params)
         return response.ttft_s, len(response.token_ids)
 
 
@@ -190,6 +199,7 @@ def run_load(args: argparse.Namespace) -> int:
     notes: list[str] = []
     with contextlib.ExitStack() as stack:
         targets: dict[str, Any] = {}
+        vllm_server: VllmServer | None = None
         for system in systems:
             if system.startswith("ragcache"):
                 serve_args = ["--model", str(model_dir), "--dtype", dtype, "--no-disk",
@@ -202,13 +212,21 @@ def run_load(args: argparse.Namespace) -> int:
             else:
                 python = find_vllm_python(args.vllm_python)
                 if python is None:
-                    notes.append(f"vllm-apc skipped: no vLLM virtualenv found; {VLLM_ENV_HELP}")
+                    notes.append(f"{system} skipped: no vLLM virtualenv found; {VLLM_ENV_HELP}")
                     console.print(f"[yellow]{notes[-1]}[/yellow]")
                     continue
-                console.print(f"starting vLLM from {python}")
-                server = stack.enter_context(VllmServer(python, model_dir, dtype, 8192, log_dir / "load-vllm.log",
-                                                        env={"VLLM_SLEEP_WHEN_IDLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}))
-                targets[system] = VllmTarget(server, builder, args.max_tokens)
+                if vllm_server is None:  # one server for both vLLM systems; the connector only when asked
+                    console.print(f"starting vLLM from {python}")
+                    connector = connector_config() if CONNECTOR_SYSTEM in systems else None
+                    from engine_sidecar.model.config import load_config
+
+                    max_len = min(8192, load_config(model_dir).max_position_embeddings)
+                    vllm_server = stack.enter_context(VllmServer(
+                        python, model_dir, dtype, max_len, log_dir / "load-vllm.log",
+                        env={"VLLM_SLEEP_WHEN_IDLE": "1", "OMP_WAIT_POLICY": "PASSIVE"},
+                        kv_transfer_config=connector))
+                targets[system] = (VllmTarget(vllm_server, builder, args.max_tokens, "connector", args.policy)
+                                   if system == CONNECTOR_SYSTEM else VllmTarget(vllm_server, builder, args.max_tokens))
         warmup = build_requests(args.corpus, 2, args.pool, args.passages, args.seed + 1)
         for system, target in targets.items():  # first-request costs (allocations, JIT) off the clock
             run_level(system, target, warmup, 1)

@@ -43,8 +43,9 @@ from ragcache_integrations.types import Chunk, ChunkedPrompt
 
 ALL_SYSTEMS = ["full", "prefix", "prefix+reorder", "fusion", "fusion+reorder", "fusion+hits-first",
                "fusion+misses-first", "vllm-apc", "vllm-apc+reorder", "vllm+ragcache"]
-# vLLM with ragcache's KV connector (engine_sidecar/vllm_backend): chunks in the client's CA-Table
-# order (chunks sent before lead, so the stored ones come first), the fusion policy in the connector
+# vLLM with ragcache's KV connector (engine_sidecar/vllm_backend), the fusion policy in the connector;
+# the client puts the chunks it has sent before first (hits first by its own record: the connector
+# supplies only the leading run of stored chunks)
 CONNECTOR_SYSTEM = "vllm+ragcache"
 
 
@@ -180,6 +181,7 @@ class VllmReplay:
         self.max_tokens = max_tokens
         self.connector_policy, self.stats_path = connector_policy, stats_path
         self.stats_read = 0  # lines of the connector's stats file consumed
+        self.sent: set[str] = set()  # chunk ids the connector system has sent (its hits-first order)
         self.eos = {builder.tokenizer.eos_token_id, builder.tokenizer.convert_tokens_to_ids("<|im_end|>")}
         self.tables = {s: ChunkAccessTable() for s in systems}
         self.conversations: dict[tuple[str, str], tuple[list[int], set[str]]] = {}
@@ -189,8 +191,13 @@ class VllmReplay:
         for system in self.systems:
             prompt = prompt_for(self.passages, request, system)
             self.tables[system].record([c.id or "" for c in prompt.chunks])
-            if system.endswith("+reorder") or system == CONNECTOR_SYSTEM:
+            if system.endswith("+reorder"):
                 prompt = prompt.model_copy(update={"chunks": self.tables[system].sort(prompt.chunks, lambda c: c.id)})
+            elif system == CONNECTOR_SYSTEM:
+                sent = self.sent
+                chunks = [c for c in prompt.chunks if c.id in sent] + [c for c in prompt.chunks if c.id not in sent]
+                sent.update(c.id or "" for c in prompt.chunks)
+                prompt = prompt.model_copy(update={"chunks": chunks})
             key = (system, prompt.conversation_id or "")
             history = self.conversations.get(key) if prompt.conversation_id else None
             if history is None:
