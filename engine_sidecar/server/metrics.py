@@ -54,7 +54,8 @@ class ServerMetrics:
                                     "skipped (not called: breaker open), write, write_dropped (write queue full)",
                                     ["event"], registry=r)
         self._redis_seen: dict[str, int] = {}
-        if engine.store.redis is not None:
+        # no engine when only the OpenAPI schema is built (tests/test_server_schema_fuzz.py)
+        if engine is not None and engine.store.redis is not None:
             for event in _REDIS_EVENTS:
                 self.redis_events.labels(event)
         self.queue_depth = Gauge("ragcache_queue_depth", "Requests queued or running on the engine", registry=r)
