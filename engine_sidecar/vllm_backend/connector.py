@@ -123,6 +123,7 @@ class _Tracked:
     """Scheduler-side state of a request with ragcache params, until its prompt is learned."""
 
     params: dict[str, Any]
+    token_ids: list[int]
     external: int = 0
     blocks: list[int] = field(default_factory=list)
     saved: bool = False
@@ -215,7 +216,7 @@ class RagcacheConnector(KVConnectorBase_V1):
             log.warning("request %s: prompt is not ragcache's layout of its chunks: nothing supplied",
                         request.request_id)
             return 0, False
-        self._tracked[request.request_id] = _Tracked(dict(request.kv_transfer_params or {}))
+        self._tracked[request.request_id] = _Tracked(dict(request.kv_transfer_params or {}), ids)
         described = [(s.kind, residency_key(params.tenant, s.token_ids), len(s.token_ids)) for s in segments]
         limit = leading_resident_end(described, self._resident)
         return claimable_tokens(len(ids), num_computed_tokens, self.block_size, limit), False
@@ -250,8 +251,8 @@ class RagcacheConnector(KVConnectorBase_V1):
                     tracked.blocks = list(new_blocks[0])
                 else:
                     tracked.blocks.extend(new_blocks[0])
-            prompt = self._prompt_ids(tracked)
-            self._maybe_save(meta, req_id, tracked, prompt, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            self._maybe_save(meta, req_id, tracked, tracked.token_ids,
+                             cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
 
     def _maybe_save(self, meta: RagcacheConnectorMetadata, req_id: str, tracked: _Tracked, ids: list[int],
@@ -259,11 +260,6 @@ class RagcacheConnector(KVConnectorBase_V1):
         if not tracked.saved and ids and done >= len(ids):
             tracked.saved = True
             meta.saves.append(SaveRequest(req_id, ids, list(tracked.blocks), tracked.params))
-
-    def _prompt_ids(self, tracked: _Tracked) -> list[int]:
-        params = connector_params(tracked.params)
-        assert params is not None
-        return [t for s in self._layout(params.prompt) for t in s.token_ids]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
