@@ -307,6 +307,49 @@ class CacheCraftPolicy(Policy):
         return view.must_keep | ~unfocused[view.active.cpu()].to(view.active.device)
 
 
+class MixPolicy(CacheBlendPolicy):
+    """Union of CacheBlend's and prophet's signals (`engine_sidecar.mix`): before layer 0 the
+    prophet probe scores each fused token by the question's attention over the reused KV (every
+    layer, no windows); as under CacheBlend every fused token is computed up to the check layer,
+    where the top-r tokens by the rank-average of that score and the KV deviation (`rank`), or half
+    the budget by each (`split`), keep being recomputed. Cost: CacheBlend's plus the probe. At r = 1
+    every fused token is recomputed on every layer (full prefill) and no probe runs."""
+
+    name = "mix"
+    needs_cached_kv = True  # the probe reads every cached layer before layer 0
+
+    def __init__(self, ratio: float = 0.15, mode: str = "rank", check_layer: int = 1):
+        super().__init__(ratio, check_layer)
+        if mode not in ("rank", "split"):
+            raise InvalidPromptError(f"mix mode must be 'rank' or 'split', got {mode!r}")
+        self.mode = mode
+        self.question_scores = torch.zeros(0)  # [T] the probe's scores for the last prepared plan
+        self.probe_token_layers = 0
+
+    def prepare(self, runner: ModelRunner, plan: FusionPlan) -> int:
+        from engine_sidecar.prophet import probe_scores
+
+        fused = span_masks(plan)[0]
+        self.question_scores = torch.zeros(plan.num_tokens)
+        self.probe_token_layers = 0
+        budget = math.ceil(self.ratio * int(fused.sum()))
+        if self.ratio >= 1.0 or budget <= 0 or budget >= int(fused.sum()):  # nothing to choose
+            return 0
+        self.question_scores, self.probe_token_layers = probe_scores(runner, plan)
+        return self.probe_token_layers
+
+    def refine(self, view: LayerView) -> torch.Tensor | None:
+        from engine_sidecar.mix import select_mixed
+
+        if view.layer != self.check_layer or self.ratio >= 1.0:
+            return None
+        candidates = ~view.must_keep
+        deviation = (view.new_values - view.cached_values).float().pow(2).sum(dim=(1, 2))
+        question = self.question_scores[view.active.cpu()]  # [T] after prepare (zeros when not probed)
+        chosen = select_mixed(question, deviation, candidates, math.ceil(self.ratio * self._fused_total), self.mode)
+        return view.must_keep | chosen.to(view.must_keep.device)
+
+
 class ProphetPolicy(Policy):
     """Question-driven multi-layer selection (ProphetKV, A3; CacheClip windows): a probe runs the
     question (and any fresh chunk) through every layer over the reused KV and scores each fused
@@ -427,6 +470,8 @@ def parse_policy(spec: str) -> Policy:
         return FocusPolicy(float(value or 0.0))
     if parsed.name == "prophet":
         return ProphetPolicy(float(value or 0.0), radius=0 if parsed.option else 1)
+    if parsed.name == "mix":
+        return MixPolicy(float(value or 0.0), mode="split" if parsed.option else "rank")
     if parsed.name == "gate":
         return GatePolicy(float(value or 0.0))
     if parsed.name == "epic":

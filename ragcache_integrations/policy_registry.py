@@ -75,6 +75,10 @@ POLICIES: tuple[PolicyEntry, ...] = (
                 "each fused token (attention normalized per head, averaged over layers); the top-ratio tokens, "
                 "each with one neighbour on either side, recomputed from layer 0 (default 0.15; nowindow: no "
                 "neighbours)", arg="ratio", default=0.15, option="nowindow"),
+    PolicyEntry("mix", "CacheBlend's KV deviation and prophet's question attention combined: every fused token "
+                "computed to the check layer, then the top-ratio tokens by the mean of their two percentile ranks "
+                "kept (default 0.15; split: half the budget by each score)", arg="ratio", default=0.15,
+                option="split"),
     PolicyEntry("gate", "confidence-gated: the prophet probe also predicts the first answer token over the reused "
                 "KV; where p(top 1) - p(top 2) >= 0.5 nothing is recomputed (reuse), otherwise the top-ratio tokens "
                 "as for prophet (default 0.3; the cost varies per request)", arg="ratio", default=0.3),

@@ -70,12 +70,14 @@ def test_registry_defaults_are_the_policy_classes_defaults():
         EpicPolicy,
         FocusPolicy,
         GatePolicy,
+        MixPolicy,
         ProphetPolicy,
     )
 
     classes = {"cacheblend": (CacheBlendPolicy, "ratio"), "focus": (FocusPolicy, "ratio"), "epic": (EpicPolicy, "k"),
                "cachetune": (CacheTunePolicy, "ratio"), "cachecraft": (CacheCraftPolicy, "alpha"),
-               "prophet": (ProphetPolicy, "ratio"), "gate": (GatePolicy, "ratio")}
+               "prophet": (ProphetPolicy, "ratio"), "gate": (GatePolicy, "ratio"),
+               "mix": (MixPolicy, "ratio")}
     assert set(classes) == {e.name for e in POLICIES if e.arg is not None}
     for name, (cls, param) in classes.items():
         assert inspect.signature(cls).parameters[param].default == BY_NAME[name].default, name
