@@ -1,0 +1,1 @@
+"""Several engine replicas behind Ray Serve, routed on chunk residency (docs/deployment.md)."""

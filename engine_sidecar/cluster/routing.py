@@ -1,0 +1,256 @@
+"""Chunk-affinity routing, as plain data and arithmetic (no Ray here: engine_sidecar/cluster/ray_app.py
+is the thin glue that feeds this module Ray's replicas and their routing stats).
+
+A replica publishes which chunks it holds (keys of tenant-scoped chunk ids, split by tier) and how
+many prompt tokens it has queued. For one request the router scores every replica as
+
+    score = w * prefill_tokens_missing(replica) + queued_tokens(replica)
+
+where a chunk held in the replica's RAM costs ~0 of its tokens, one on its local disk (or in the
+shared Redis tier) its measured load/compute ratio, and a miss all of them. Chunks are routed on
+residency, not on text prefixes: RAG retrieves the same passages in new orders, and fusion reuses a
+chunk wherever it lands in the prompt.
+
+Ties, and requests whose chunks no replica has seen, go to the consistent-hash home of the request's
+largest chunk, so the first replica to compute a chunk is the one the next request with it goes to.
+An imbalance guard sends the request to the least loaded replica when the chosen one's load would be
+more than `imbalance` times the smallest (a hot document must not pin one replica while others idle).
+
+Token counts are estimates from text length (the router never tokenizes: ~4 UTF-8 bytes per token
+for the BPE tokenizers this engine serves); they only need to rank replicas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from uhashring import HashRing
+
+from engine_sidecar.server.tenancy import scope_id
+
+BYTES_PER_TOKEN = 4  # rough, for ranking only
+STATS_VERSION = 1
+
+
+def chunk_key(scoped_chunk_id: str) -> str:
+    """The routing key of a chunk id already scoped to its tenant (what the engine stores under).
+    8 bytes: compact enough to publish thousands per replica, and a collision only costs a guess."""
+    return hashlib.blake2b(scoped_chunk_id.encode("utf-8"), digest_size=8).hexdigest()
+
+
+def estimate_tokens(text: str) -> int:
+    return max(1, len(text.encode("utf-8")) // BYTES_PER_TOKEN)
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    key: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class RouteInfo:
+    """What the router knows about one request: its chunks and the rest of its prompt (always computed)."""
+
+    chunks: tuple[ChunkRef, ...] = ()
+    other_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.other_tokens + sum(c.tokens for c in self.chunks)
+
+    def largest(self) -> ChunkRef | None:
+        # ties broken by key, so every router picks the same chunk
+        return max(self.chunks, key=lambda c: (c.tokens, c.key), default=None)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"chunks": [[c.key, c.tokens] for c in self.chunks], "other_tokens": self.other_tokens}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any] | None) -> RouteInfo:
+        if not data:
+            return cls()
+        return cls(tuple(ChunkRef(str(k), int(t)) for k, t in data.get("chunks", ())), int(data.get("other_tokens", 0)))
+
+
+def _chunk_fields(chunk: Any) -> tuple[str | None, str]:
+    if isinstance(chunk, str):
+        return None, chunk
+    if isinstance(chunk, Mapping):
+        return (chunk.get("id") or None), str(chunk.get("text", ""))
+    return None, ""
+
+
+def route_info_from_body(path: str, body: Mapping[str, Any], header_tenant: str | None) -> RouteInfo:
+    """RouteInfo of a native `/v1/generate` or `/v1/chunks/warm`, or an OpenAI chat request with
+    `chunks`, read from its JSON body without validating it (the replica validates; a body this
+    cannot read routes as a request without chunks)."""
+    from ragcache_integrations.types import chunk_id_for
+
+    tenant = body.get("tenant") or header_tenant or ""
+    if not isinstance(tenant, str):
+        tenant = ""
+    other = 0
+    if path.endswith("/v1/generate"):
+        prompt = body.get("prompt") or {}
+        chunks = prompt.get("chunks") or [] if isinstance(prompt, Mapping) else []
+        if isinstance(prompt, Mapping):
+            other = sum(estimate_tokens(str(prompt.get(k) or "")) for k in ("system", "question"))
+    else:
+        chunks = body.get("chunks") or []
+        messages = body.get("messages") or []
+        if isinstance(messages, list):
+            other = sum(estimate_tokens(str(m.get("content") or "")) for m in messages if isinstance(m, Mapping))
+    refs = []
+    for chunk in chunks if isinstance(chunks, list) else []:
+        cid, text = _chunk_fields(chunk)
+        if not text:
+            continue
+        refs.append(ChunkRef(chunk_key(scope_id(cid or chunk_id_for(text), tenant)), estimate_tokens(text)))
+    return RouteInfo(tuple(refs), other)
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One replica as the router sees it: its published stats plus what this router sent it since."""
+
+    name: str
+    ram: frozenset[str] = frozenset()
+    disk: frozenset[str] = frozenset()
+    queued_tokens: float = 0.0
+    disk_ratio: float = 0.1  # load/compute per token, measured by the replica when it has seen a load
+    redis_ratio: float = 0.15
+    redis: bool = False  # the replica reads the shared Redis tier
+
+    @classmethod
+    def from_stats(cls, name: str, stats: Mapping[str, Any] | None) -> ReplicaView:
+        """From a replica's `record_routing_stats()` dict; a replica without stats yet holds nothing."""
+        if not stats or stats.get("version") != STATS_VERSION:
+            return cls(name)
+        return cls(name, frozenset(stats.get("ram", ())), frozenset(stats.get("disk", ())),
+                   float(stats.get("queued_tokens", 0.0)), float(stats.get("disk_ratio", 0.1)),
+                   float(stats.get("redis_ratio", 0.15)), bool(stats.get("redis", False)))
+
+
+@dataclass(frozen=True)
+class RouterParams:
+    w: float = 1.0  # weight of missing prefill tokens against queued tokens
+    ram_cost: float = 0.0  # a RAM hit's cost per token (copy and rotate: ~0 next to compute)
+    imbalance: float = 1.5  # the guard: chosen load / smallest load above this -> least loaded
+    # added to every replica's load in the guard, so idle replicas (load 0) compare as a ratio
+    # of real work and not as a division by zero; about one request's prompt
+    load_floor_tokens: float = 1024.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    ranked: tuple[str, ...]  # best first: Ray tries the next one when the first is full or gone
+    reason: str  # "affinity" | "home" | "tie-home" | "imbalance" | "no-chunks"
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+def chunk_cost(key: str, replica: ReplicaView, shared: frozenset[str], params: RouterParams) -> float:
+    """Fraction of a chunk's tokens the replica would compute (or pay as load) to use it."""
+    if key in replica.ram:
+        return params.ram_cost
+    if key in replica.disk:
+        return replica.disk_ratio
+    if replica.redis and key in shared:  # computed somewhere, so written to the shared tier
+        return replica.redis_ratio
+    return 1.0
+
+
+def missing_tokens(route: RouteInfo, replica: ReplicaView, shared: frozenset[str], params: RouterParams) -> float:
+    """Prefill tokens the replica would pay for the request's chunks (the question and system
+    prompt cost the same everywhere, so they are left out of the comparison)."""
+    return sum(c.tokens * chunk_cost(c.key, replica, shared, params) for c in route.chunks)
+
+
+class HomeRing:
+    """Consistent-hash homes over replica names (uhashring: adding or losing a replica moves only
+    the keys that hashed to it)."""
+
+    def __init__(self) -> None:
+        self._names: frozenset[str] = frozenset()
+        self._ring: HashRing | None = None
+
+    def order(self, names: Iterable[str], key: str) -> list[str]:
+        """All names, starting at the key's home and going round the ring."""
+        names = frozenset(names)
+        if names != self._names:
+            self._names = names
+            self._ring = HashRing(nodes=sorted(names)) if names else None
+        if self._ring is None:
+            return []
+        seen: list[str] = []
+        for node in self._ring.range(key, unique=True):
+            name = node["nodename"] if isinstance(node, dict) else str(node)
+            if name not in seen:
+                seen.append(name)
+        return seen + sorted(names - set(seen))
+
+
+def choose(route: RouteInfo, replicas: list[ReplicaView], ring: HomeRing,
+           params: RouterParams = RouterParams()) -> Decision:
+    """Rank replicas for one request (see the module docstring)."""
+    if not replicas:
+        return Decision((), "no-replicas")
+    names = [r.name for r in replicas]
+    shared = frozenset().union(*(r.ram | r.disk for r in replicas))
+    scores = {r.name: params.w * missing_tokens(route, r, shared, params) + r.queued_tokens for r in replicas}
+    largest = route.largest()
+    # ring order from the largest chunk's home: the tie-break everywhere below
+    ring_order = ring.order(names, largest.key if largest is not None else "")
+    rank_of = {name: i for i, name in enumerate(ring_order)}
+    loads = {r.name: r.queued_tokens + params.load_floor_tokens for r in replicas}
+
+    if largest is None:
+        chosen, reason = min(names, key=lambda n: (loads[n], rank_of[n])), "no-chunks"
+    elif not any(c.key in shared for c in route.chunks):
+        chosen, reason = ring_order[0], "home"
+    else:
+        best = min(scores.values())
+        tied = [n for n in names if math.isclose(scores[n], best, rel_tol=1e-9, abs_tol=0.5)]
+        chosen = min(tied, key=lambda n: rank_of[n])
+        reason = "tie-home" if len(tied) > 1 else "affinity"
+    least = min(names, key=lambda n: (loads[n], scores[n], rank_of[n]))
+    if loads[chosen] > params.imbalance * loads[least]:
+        chosen, reason = least, "imbalance"
+    rest = sorted((n for n in names if n != chosen), key=lambda n: (scores[n], rank_of[n]))
+    return Decision((chosen, *rest), reason, scores)
+
+
+@dataclass
+class RouterState:
+    """What one router adds to the replicas' published stats between two publications: the
+    tokens it sent each replica and the chunks those requests will leave there. Both reset when
+    the replica publishes a newer snapshot (its own count is the truth: a chunk it evicted, or a
+    chunk it lost in a restart, disappears from the view there, and its next miss re-adds it)."""
+
+    sent_tokens: dict[str, float] = field(default_factory=dict)
+    sent_chunks: dict[str, set[str]] = field(default_factory=dict)
+    seen_seq: dict[str, int] = field(default_factory=dict)
+
+    def view(self, name: str, stats: Mapping[str, Any] | None) -> ReplicaView:
+        base = ReplicaView.from_stats(name, stats)
+        seq = int(stats.get("seq", -1)) if stats else -1
+        if self.seen_seq.get(name) != seq:
+            self.seen_seq[name] = seq
+            self.sent_tokens.pop(name, None)
+            self.sent_chunks.pop(name, None)
+        extra = self.sent_chunks.get(name)
+        return ReplicaView(base.name, base.ram | extra if extra else base.ram, base.disk,
+                           base.queued_tokens + self.sent_tokens.get(name, 0.0), base.disk_ratio,
+                           base.redis_ratio, base.redis)
+
+    def routed(self, name: str, route: RouteInfo) -> None:
+        self.sent_tokens[name] = self.sent_tokens.get(name, 0.0) + route.tokens
+        self.sent_chunks.setdefault(name, set()).update(c.key for c in route.chunks)
+
+    def forget(self, name: str) -> None:
+        for table in (self.sent_tokens, self.sent_chunks, self.seen_seq):
+            table.pop(name, None)
