@@ -20,8 +20,7 @@ import hashlib
 import logging
 import os
 import threading
-import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from safetensors.torch import load_file, save
 
 from engine_sidecar.frequency import frequency_scores
 from engine_sidecar.store.entry import ChunkKV
+from engine_sidecar.store.write_queue import WriteQueue
 
 log = logging.getLogger("ragcache.store")
 _SUFFIX = ".kv.safetensors"
@@ -221,23 +221,17 @@ class DiskTier:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = max(0, int(capacity_bytes))
         self.flush_timeout_s = flush_timeout_s
-        self.max_pending_bytes = max_pending_bytes
         self.counters = DiskCounters()
         self._lock = threading.Lock()  # guards the index and the counters
         self._index: OrderedDict[str, _Indexed] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._scan()
-        self._cond = threading.Condition()  # guards the write queue
-        self._pending: deque[tuple[str, ChunkKV, int]] = deque()
-        self._pending_bytes = 0
-        self._in_flight = 0  # queued + being written
-        self._writing: str | None = None  # the digest the writer is writing now
-        self._cancelled: set[str] = set()  # removed while being written: deleted once written
-        self._writer: threading.Thread | None = None
+        # a write removed while under way has its file deleted once written (`on_cancelled`)
+        self._writes: WriteQueue[ChunkKV] = WriteQueue("ragcache-disk-writer", self._write_queued,
+                                                       max_pending_bytes, on_cancelled=self._delete_file)
         # told (outside the tier's lock) which digests the tier itself let go of: evicted, found
         # damaged or missing; the chunk store prunes its chunk-id index with it
         self.on_gone: Callable[[list[str]], None] | None = None
-        self._start_writer()
 
     # --- start-up ------------------------------------------------------------------------------
     def _scan(self) -> None:
@@ -360,64 +354,25 @@ class DiskTier:
         return self.counters.corrupt_files
 
     # --- writes ----------------------------------------------------------------------------------
-    def _start_writer(self) -> None:
-        self._writer = threading.Thread(target=self._write_loop, name="ragcache-disk-writer", daemon=True)
-        self._writer.start()
-
     def put(self, digest: str, entry: ChunkKV) -> None:
         """Queue one entry for writing; dropped (and counted) when the queue already holds
         `max_pending_bytes` (a disk slower than the requests must not grow memory without bound)."""
-        size = entry.nbytes
-        with self._cond:
-            if self._pending and self._pending_bytes + size > self.max_pending_bytes:
-                drop = True
-            else:
-                drop = False
-                self._pending.append((digest, entry, size))
-                self._pending_bytes += size
-                self._in_flight += 1
-                self._cond.notify_all()
-            if self._writer is None or not self._writer.is_alive():  # never expected; never fatal
-                self._start_writer()
-        if drop:
+        if not self._writes.put(digest, entry, entry.nbytes):
             self._note_failure("writes_dropped", f"{digest}: write queue full")
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for the writes queued so far; False if they did not finish within the bound (or
         the writer is gone): never blocks forever."""
-        deadline = time.monotonic() + (self.flush_timeout_s if timeout_s is None else timeout_s)
-        with self._cond:
-            while self._in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._writer is None or not self._writer.is_alive():
-                    log.warning("disk tier flush gave up with %d write(s) pending", self._in_flight)
-                    return False
-                self._cond.wait(min(left, 1.0))
-        return True
+        return self._writes.flush(self.flush_timeout_s if timeout_s is None else timeout_s)
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending:
-                    self._cond.wait()
-                digest, entry, size = self._pending.popleft()
-                self._pending_bytes -= size
-                self._writing = digest
-            try:
-                self._write(digest, entry)
-            except Exception as exc:  # noqa: BLE001 - any failure drops this entry, never the writer
-                log.warning("could not write chunk cache file %s (kept in RAM only): %r", digest, exc)
-                self._note_failure("write_failures", f"{digest}: {exc!r}")
-            finally:
-                with self._cond:
-                    self._writing = None
-                    cancelled = digest in self._cancelled
-                    self._cancelled.discard(digest)
-                if cancelled:  # removed while it was being written: it must not come back
-                    self._delete_file(digest)
-                with self._cond:
-                    self._in_flight -= 1
-                    self._cond.notify_all()
+    def _write_queued(self, digest: str, entry: ChunkKV) -> None:
+        """The writer thread's step: `_write` is looked up per call (tests replace it on the
+        instance), and any failure drops this entry, never the writer."""
+        try:
+            self._write(digest, entry)
+        except Exception as exc:  # noqa: BLE001 - a full disk, an I/O error, a bad entry: all the same here
+            log.warning("could not write chunk cache file %s (kept in RAM only): %r", digest, exc)
+            self._note_failure("write_failures", f"{digest}: {exc!r}")
 
     def _write(self, digest: str, entry: ChunkKV) -> None:
         path = self.path_for(digest)
@@ -540,18 +495,8 @@ class DiskTier:
     def remove(self, digest: str) -> bool:
         """Remove the file and any write of it still queued or under way (a queued write would
         otherwise put a removed entry back on disk after the remove)."""
-        with self._cond:
-            kept = deque(item for item in self._pending if item[0] != digest)
-            queued = len(self._pending) - len(kept)
-            if queued:
-                self._pending = kept
-                self._pending_bytes = sum(size for _, _, size in kept)
-                self._in_flight -= queued
-                self._cond.notify_all()
-            writing = self._writing == digest
-            if writing:
-                self._cancelled.add(digest)
-        return self._delete_file(digest) or bool(queued) or writing
+        discarded = self._writes.discard((digest,))
+        return self._delete_file(digest) or discarded > 0
 
     def _delete_file(self, digest: str) -> bool:
         existed = self._drop(digest) is not None

@@ -19,7 +19,8 @@ write and refreshed on every hit.
 Redis down or slow never reaches the caller: every call has short socket timeouts and no retries,
 and a circuit breaker stops calling for `cooldown_s` after `failures_to_open` failures in a row
 (then one call is tried again). A failed read is a miss, a failed write is dropped; both are
-counted. Writes go through a background thread with a byte-bounded queue, as the disk tier's do.
+counted. Writes go through a background thread with a byte-bounded queue (store/write_queue.py, shared
+with the disk tier).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import json
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,7 @@ import torch
 
 from engine_sidecar.frequency import frequency_scores
 from engine_sidecar.store.entry import ChunkKV
+from engine_sidecar.store.write_queue import WriteQueue
 
 log = logging.getLogger("ragcache.store")
 
@@ -235,7 +236,6 @@ class RedisTier:
         self.url, self.prefix = url, prefix
         self.ttl_ms = max(1, int(ttl_s * 1000)) if ttl_s > 0 else 0  # 0: no expiry (maxmemory evicts)
         self.segment_bytes = segment_bytes
-        self.max_pending_bytes = max_pending_bytes
         self.flush_timeout_s = flush_timeout_s
         if client is None:
             try:
@@ -253,11 +253,7 @@ class RedisTier:
         self.breaker = CircuitBreaker(failures_to_open, cooldown_s)
         self.counters = RedisCounters()
         self._lock = threading.Lock()  # guards the counters
-        self._cond = threading.Condition()  # guards the write queue
-        self._pending: deque[tuple[str, ChunkKV, int]] = deque()
-        self._pending_bytes = 0
-        self._in_flight = 0
-        self._writer: threading.Thread | None = None
+        self._writes: WriteQueue[ChunkKV] = WriteQueue("ragcache-redis-writer", self.write, max_pending_bytes)
 
     @property
     def shown_url(self) -> str:
@@ -329,22 +325,10 @@ class RedisTier:
     def put(self, digest: str, entry: ChunkKV) -> None:
         """Queue one entry for writing; dropped (and counted) when the queue already holds
         `max_pending_bytes`, or while the breaker is open (nothing would be written)."""
-        size = entry.nbytes
         if not self.breaker.allow():
             self._count("skipped")
             return
-        with self._cond:
-            drop = bool(self._pending) and self._pending_bytes + size > self.max_pending_bytes
-            if not drop:
-                self._pending.append((digest, entry, size))
-                self._pending_bytes += size
-                self._in_flight += 1
-                self._cond.notify_all()
-                if self._writer is None or not self._writer.is_alive():
-                    self._writer = threading.Thread(target=self._write_loop, name="ragcache-redis-writer",
-                                                    daemon=True)
-                    self._writer.start()
-        if drop:
+        if not self._writes.put(digest, entry, entry.nbytes):
             self._count("writes_dropped", f"{digest}: write queue full")
 
     def write(self, digest: str, entry: ChunkKV) -> bool:
@@ -372,51 +356,17 @@ class RedisTier:
         self._count("writes")
         return True
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending:
-                    self._cond.wait()
-                digest, entry, size = self._pending.popleft()
-                self._pending_bytes -= size
-            try:
-                self.write(digest, entry)
-            except Exception:  # noqa: BLE001 - never expected (write catches); never fatal to the writer
-                log.exception("Redis tier writer")
-            finally:
-                with self._cond:
-                    self._in_flight -= 1
-                    self._cond.notify_all()
-
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for the writes queued so far; False if they did not finish within the bound."""
-        deadline = time.monotonic() + (self.flush_timeout_s if timeout_s is None else timeout_s)
-        with self._cond:
-            while self._in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    log.warning("Redis tier flush gave up with %d write(s) pending", self._in_flight)
-                    return False
-                self._cond.wait(min(left, 1.0))
-        return True
+        return self._writes.flush(self.flush_timeout_s if timeout_s is None else timeout_s)
 
     # --- deletes ---------------------------------------------------------------------------------
-    def _unqueue(self, digests: set[str]) -> None:
-        with self._cond:
-            kept = deque(item for item in self._pending if item[0] not in digests)
-            dropped = len(self._pending) - len(kept)
-            if dropped:
-                self._pending = kept
-                self._pending_bytes = sum(size for _, _, size in kept)
-                self._in_flight -= dropped
-                self._cond.notify_all()
-
     def remove_many(self, digests: Iterable[str]) -> set[str]:
         """Delete these entries (and their queued writes); the digests Redis held."""
         digests = list(digests)
         if not digests:
             return set()
-        self._unqueue(set(digests))
+        self._writes.discard(set(digests))
 
         def delete(client):
             pipe = client.pipeline(transaction=False)
@@ -453,11 +403,7 @@ class RedisTier:
 
     def clear(self) -> int:
         """Delete every entry under the prefix (every tenant's, and every sidecar's sharing it)."""
-        with self._cond:  # queued writes are dropped
-            self._in_flight -= len(self._pending)
-            self._pending.clear()
-            self._pending_bytes = 0
-            self._cond.notify_all()
+        self._writes.clear()  # queued writes are dropped
         self.flush()  # the write under way, if any
 
         def clear(client):
