@@ -246,3 +246,20 @@ def test_a_removed_entry_never_comes_back_from_a_queued_or_running_write(tmp_pat
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
     tier.put("aa01", make_entry(2, 1))  # written again later: kept as usual
     assert tier.flush(30) and "aa01" in tier
+
+
+def test_delete_counts_an_entry_held_in_ram_and_on_disk_once(tmp_path):
+    """Regression: a full delete returned len(RAM) + len(disk), so every chunk held in both tiers
+    (all of them, once written) was reported as two chunks deleted."""
+    store = ChunkStore(entry_bytes(4) * 4, tmp_path, torch.device("cpu"))
+    store.put(key("a"), make_entry(2, 1, "c1"))
+    store.put(key("b"), make_entry(2, 2, "c2"))
+    store.flush()
+    store.ram.remove(key("b").digest)  # "b" now on disk only
+    store.put(key("c"), make_entry(2, 3, "c3"))  # "c": RAM, and on disk once flushed
+    assert store.delete() == 3
+    assert len(store.ram) == 0 and store.disk is not None and len(store.disk) == 0
+    for name, chunk_id in (("a", "c1"), ("b", "c2")):  # by chunk id and by tenant: once each too
+        store.put(key(name), make_entry(2, 1, chunk_id))
+    store.flush()
+    assert store.delete("c1") == 1 and store.delete(tenant="") == 1

@@ -239,6 +239,24 @@ def test_deletes_reach_the_redis_tier(server, prefix):
     assert other.delete() == 1 and server.client().keys(f"{prefix}:*") == []
 
 
+def test_a_chunk_in_ram_on_disk_and_in_redis_is_deleted_once(server, prefix, tmp_path):
+    """Regression: a full delete returned len(RAM) + len(disk) + the keys Redis removed, so one
+    chunk held in all three tiers was reported as three chunks deleted."""
+    tiers = ChunkStore(1 << 20, tmp_path / "kv", CPU, redis=RedisTier(server.url, prefix=prefix))
+    tiers.put(key("a"), chunk(11, chunk_id="doc-1"))
+    tiers.put(key("b"), chunk(12, chunk_id="doc-2"))
+    tiers.flush()
+    assert tiers.disk is not None and len(tiers.ram) == len(tiers.disk) == 2
+    other = store(server.url, prefix)  # another sidecar's entry: Redis only, counted too
+    other.put(key("c"), chunk(13, chunk_id="doc-3"))
+    other.flush()
+    assert tiers.delete() == 3
+    assert server.client().keys(f"{prefix}:*") == [] and len(tiers.ram) == len(tiers.disk) == 0
+    tiers.put(key("a"), chunk(11, chunk_id="doc-1"))
+    tiers.put(key("b"), chunk(12, chunk_id="doc-2"))
+    tiers.flush()
+    assert tiers.delete("doc-1") == 1 and tiers.delete(tenant="") == 1  # the other paths: once too
+
 def test_redis_killed_mid_test_degrades_to_misses_and_the_breaker_opens(tmp_path, prefix):
     own = RedisServer(tmp_path / "redis")
     try:

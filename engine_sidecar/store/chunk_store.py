@@ -166,16 +166,19 @@ class ChunkStore:
                 digests |= self.redis.digests_of(None, tenant)
             return self._remove_digests(digests)
         if chunk_id is None:
-            count = len(self.ram) + (len(self.disk) if self.disk else 0)
+            # a union of digests, not a sum of tier sizes: an entry in RAM, on disk and in Redis
+            # is one chunk deleted
+            digests = {d for d, _ in self.ram.items()}
             self.ram.clear()
             if self.disk is not None:
+                digests.update(self.disk.digests())
                 self.disk.clear()
             if self.redis is not None:
-                count += self.redis.clear()
+                digests |= self.redis.clear()
             with self._lock:
                 self._by_chunk_id.clear()
                 self._ids_of.clear()
-            return count
+            return len(digests)
         with self._lock:
             digests = set(self._by_chunk_id.get(chunk_id, set()))
         if self.disk is not None:  # entries from before a restart are only known on disk

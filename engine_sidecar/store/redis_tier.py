@@ -401,19 +401,24 @@ class RedisTier:
         result = self._call("scan", scan)
         return set() if result is _FAILED else result
 
-    def clear(self) -> int:
-        """Delete every entry under the prefix (every tenant's, and every sidecar's sharing it)."""
+    def clear(self) -> set[str]:
+        """Delete every entry under the prefix (every tenant's, and every sidecar's sharing it);
+        the digests removed (the caller counts a chunk other tiers also held once)."""
         self._writes.clear()  # queued writes are dropped
         self.flush()  # the write under way, if any
 
         def clear(client):
-            removed = 0
+            removed: set[str] = set()
             for batch in _batches(client.scan_iter(match=f"{self.prefix}:*", count=500), 500):
-                removed += client.unlink(*batch)
+                pipe = client.pipeline(transaction=False)
+                for key in batch:  # one UNLINK a key: which of them existed, not just how many
+                    pipe.unlink(key)
+                removed.update(key.decode().rpartition(":")[2] for key, n in zip(batch, pipe.execute(), strict=True)
+                               if n)
             return removed
 
         removed = self._call("clear", clear)
-        return 0 if removed is _FAILED else int(removed)
+        return set() if removed is _FAILED else removed
 
 
 def _outage(exc: BaseException) -> bool:
