@@ -136,8 +136,11 @@ def cmd_bench_fidelity(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from engine_sidecar.cluster.launch import serve_cluster, wants_cluster
     from engine_sidecar.server.serve import serve
 
+    if wants_cluster(args):  # --replicas N / --ray-address: Ray Serve (engine_sidecar/cluster)
+        return serve_cluster(args)
     return serve(args, engine_from_args)
 
 
@@ -209,10 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the sidecar HTTP service (native + OpenAI-compatible API)",
                            description="Serve the engine over HTTP: /v1/generate, /v1/chat/completions, "
                                        "/v1/chunks/warm, /v1/cache/stats, DELETE /v1/cache, /health, /metrics.")
+    from engine_sidecar.cluster.launch import add_cluster_arguments  # argparse only: no Ray import
     from engine_sidecar.server.serve import add_serve_arguments  # argparse only: no fastapi import
 
     add_serve_arguments(serve)
     add_engine_arguments(serve)
+    add_cluster_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="the main job: a scripted RAG run showing answers and what reuse saved")
