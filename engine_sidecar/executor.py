@@ -194,13 +194,19 @@ def decode_batch(runner: ModelRunner, kvs: list[KVBuffer], token_ids: list[int])
         qkv = runner.qkv(layer, hidden)
         k_rot = apply_rope(qkv.k, cos, sin)
         q = apply_rope(qkv.q, cos, sin)
-        outputs = []
+        keys, values = [], []
         for i, (kv, pos) in enumerate(zip(kvs, positions, strict=True)):
             kv.keys_pre[layer, pos] = qkv.k[i]
             kv.keys[layer, pos] = k_rot[i]
             kv.values[layer, pos] = qkv.v[i]
-            outputs.append(_decode_attention(q[i], kv.keys[layer, : pos + 1], kv.values[layer, : pos + 1], window))
-        attn = torch.stack(outputs) if len(outputs) > 1 else outputs[0][None]
+            start = 0 if window is None else max(0, pos + 1 - window)
+            keys.append(kv.keys[layer, start : pos + 1])
+            values.append(kv.values[layer, start : pos + 1])
+        # every sequence in one native call where it applies (bf16 CPU), else one torch call each
+        attn = dispatch.decode_attention(q, keys, values)
+        if attn is None:
+            outputs = [_decode_attention(q[i], keys[i], values[i], None) for i in range(len(kvs))]
+            attn = torch.stack(outputs) if len(outputs) > 1 else outputs[0][None]
         hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn))
     for kv, pos in zip(kvs, positions, strict=True):
         kv.length = pos + 1

@@ -4,7 +4,8 @@ Backend choice, first match wins:
 1. the `backend=` argument of the call ("triton", "torch" or "auto"),
 2. the environment variable RAGCACHE_KERNELS (same values; read on every call so tests and
    benchmarks can flip it),
-3. "auto": Triton iff the tensors are on CUDA and `import triton` works.
+3. "auto": Triton iff the tensors are on CUDA and `import triton` works; on CPU, bf16 attention
+   goes to ragcache's own C kernel (kernels/cpu_native.py) where it is built and applies.
 
 Forcing "triton" raises instead of silently falling back, so a benchmark or test that asked for
 the kernel never measures the reference by mistake; on CPU it needs TRITON_INTERPRET=1 (the
@@ -24,6 +25,7 @@ from typing import Literal
 import torch
 
 from ragcache_kernels import attention as _attention
+from ragcache_kernels import cpu_native as _cpu_native
 from ragcache_kernels import kv as _kv
 from ragcache_kernels import rope as _rope
 from ragcache_kernels._triton_common import MAX_MASS_SEGMENTS, rows_are_dense
@@ -103,6 +105,10 @@ def selective_attention(
     A query that sees no key returns NaN on the torch path and zeros on the Triton path.
     """
     choice = _requested(backend)
+    if choice == "auto" and q.device.type == "cpu":
+        out = _native_prefill(q, k, v, query_pos, key_pos, sliding_window)
+        if out is not None:
+            return out
     if choice == "auto" and dense_causal:
         choice = "torch"
     if resolve_backend(q.device, choice) == "triton":
@@ -110,6 +116,27 @@ def selective_attention(
 
         return triton_attention.selective_attention(q, k, v, query_pos, key_pos, sliding_window)[0]
     return _attention.selective_attention(q, k, v, query_pos, key_pos, sliding_window, dense_causal)
+
+
+def _native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor,
+                    key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor | None:
+    """ragcache's own CPU kernel (bf16 on AVX512-BF16) where it applies: no sliding window, key
+    positions ascending (the fused prefill's layout); None sends the call to torch."""
+    if q.dtype != torch.bfloat16 or sliding_window is not None:
+        return None
+    if key_pos.shape[0] > 1 and not bool((key_pos[1:] >= key_pos[:-1]).all()):
+        return None
+    return _cpu_native.prefill_attention(q, k, v, query_pos, key_pos)
+
+
+def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     backend: str | None = None) -> torch.Tensor | None:
+    """One new query per sequence, q [B, H, D], over that sequence's keys/values [n_b, Hkv, D]
+    (all visible) -> [B, H * D] from ragcache's native CPU kernel, or None: the caller then runs
+    its per-sequence torch path. Only "auto" uses the native kernel ("torch" forces the reference)."""
+    if _requested(backend) != "auto" or q.device.type != "cpu" or q.dtype != torch.bfloat16:
+        return None
+    return _cpu_native.decode_attention(q, keys, values)
 
 
 def selective_attention_with_mass(

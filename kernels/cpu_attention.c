@@ -1,0 +1,299 @@
+// Attention for bf16 KV on x86 CPUs with AVX512-BF16, built by kernels/cpu_native.py and called
+// through ctypes (no Python or torch headers needed, so a plain gcc builds it).
+//
+// Why it exists: on these CPUs PyTorch's flash SDPA reaches about half the GEMMs' FLOP rate, and
+// a masked call cannot skip the keys a query never sees. Here the scores and the weighted sum use
+// VDPBF16PS (bf16 pairs, fp32 accumulation) on key/value blocks packed once per call, the softmax
+// runs online in fp32 (as flash attention does; the probabilities are rounded to bf16 before the
+// product with V, as PyTorch's CPU flash kernel does), and the causal-by-position mask is computed
+// from the positions, so a query block reads only the keys up to its last position.
+//
+// Layouts (element strides; a head's D values are contiguous):
+//   q   [Tq, H, D]  row stride q_rs      k, v [Tk, Hkv, D]  row strides k_rs, v_rs
+//   out [Tq, H, D]  contiguous           key positions ascending (the caller checks)
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+#define BK 64  // keys per block: 4 vectors of 16 scores
+#define BQ 32  // query tokens per work item (times the heads sharing one KV head)
+
+static inline __m512 exp_ps(__m512 x) {
+    // exp(x) = 2^n * e^r, |r| <= ln2/2, degree-6 polynomial (relative error ~2e-7)
+    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.3888889e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+static inline int32_t pair_at(const bf16* p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+// K block b of one KV head as [D/2][BK][2]: 16 keys x one dim pair per vector (VNNI order).
+// V block b as [BK/2][D][2]: 16 dims x one key pair per vector. Keys past tk are zero.
+static void pack_block(const bf16* k, int64_t k_rs, const bf16* v, int64_t v_rs, int64_t tk, int64_t hk,
+                       int64_t d, int64_t b, bf16* kp, bf16* vp) {
+    for (int64_t j = 0; j < BK; j++) {
+        int64_t key = b * BK + j;
+        const bf16* kr = key < tk ? k + key * k_rs + hk * d : NULL;
+        const bf16* vr = key < tk ? v + key * v_rs + hk * d : NULL;
+        for (int64_t p = 0; p < d / 2; p++) {
+            kp[(p * BK + j) * 2] = kr ? kr[2 * p] : 0;
+            kp[(p * BK + j) * 2 + 1] = kr ? kr[2 * p + 1] : 0;
+        }
+        for (int64_t x = 0; x < d; x++) vp[((j / 2) * d + x) * 2 + (j & 1)] = vr ? vr[x] : 0;
+    }
+}
+
+// One work item: BQ query tokens x the G heads of KV head hk, over key blocks [0, kend).
+static void prefill_item(const bf16* q, int64_t q_rs, bf16* out, const int64_t* qpos, const int64_t* kpos,
+                         int64_t tq, int64_t tk, int64_t h, int64_t hkv, int64_t d, float scale,
+                         const bf16* kpack, const bf16* vpack, int64_t hk, int64_t qb, float* o, float* s,
+                         bf16* pr, float* m, float* l) {
+    const int64_t g = h / hkv, t0 = qb * BQ, nt = (tq - t0) < BQ ? (tq - t0) : BQ, rows = nt * g;
+    const int64_t nblocks = (tk + BK - 1) / BK, nc = d / 16;
+    int64_t qmax = INT64_MIN, qmin = INT64_MAX;
+    for (int64_t t = 0; t < nt; t++) {
+        qmax = qpos[t0 + t] > qmax ? qpos[t0 + t] : qmax;
+        qmin = qpos[t0 + t] < qmin ? qpos[t0 + t] : qmin;
+    }
+    // keys are ascending: the first key past the block's last position ends its reads
+    int64_t lo = 0, hi = tk;
+    while (lo < hi) {
+        int64_t mid = (lo + hi) / 2;
+        if (kpos[mid] <= qmax) lo = mid + 1; else hi = mid;
+    }
+    const int64_t kend = lo, bend = (kend + BK - 1) / BK < nblocks ? (kend + BK - 1) / BK : nblocks;
+    for (int64_t r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+    memset(o, 0, sizeof(float) * rows * d);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t b = 0; b < bend; b++) {
+        const bf16* kb = kpack + (hk * nblocks + b) * BK * d;
+        const bf16* vb = vpack + (hk * nblocks + b) * BK * d;
+        const int64_t last = (b + 1) * BK - 1;
+        const int full = last < kend && kpos[last] <= qmin;  // every row sees every key of the block
+        // scores: 4 rows at a time, 4 vectors of 16 keys each
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const int64_t rn = rows - r0 < 4 ? rows - r0 : 4;
+            const bf16* qr[4];
+            for (int64_t i = 0; i < 4; i++) {
+                int64_t r = r0 + (i < rn ? i : 0), t = r / g, head = hk * g + r % g;
+                qr[i] = q + (t0 + t) * q_rs + head * d;
+            }
+            __m512 acc[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+            for (int64_t p = 0; p < d / 2; p++) {
+                __m512i kv0 = _mm512_loadu_si512(kb + (p * BK) * 2);
+                __m512i kv1 = _mm512_loadu_si512(kb + (p * BK + 16) * 2);
+                __m512i kv2 = _mm512_loadu_si512(kb + (p * BK + 32) * 2);
+                __m512i kv3 = _mm512_loadu_si512(kb + (p * BK + 48) * 2);
+                for (int i = 0; i < 4; i++) {
+                    __m512i qb2 = _mm512_set1_epi32(pair_at(qr[i] + 2 * p));
+                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], as_bh(kv0), as_bh(qb2));
+                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], as_bh(kv1), as_bh(qb2));
+                    acc[i][2] = _mm512_dpbf16_ps(acc[i][2], as_bh(kv2), as_bh(qb2));
+                    acc[i][3] = _mm512_dpbf16_ps(acc[i][3], as_bh(kv3), as_bh(qb2));
+                }
+            }
+            for (int64_t i = 0; i < rn; i++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + (r0 + i) * BK + c * 16, _mm512_mul_ps(acc[i][c], vscale));
+        }
+        // online softmax per row; probabilities to bf16
+        for (int64_t r = 0; r < rows; r++) {
+            float* sr = s + r * BK;
+            __mmask16 valid[4];
+            const int64_t qp = qpos[t0 + r / g];
+            for (int c = 0; c < 4; c++) {
+                if (full) { valid[c] = 0xffff; continue; }
+                __mmask16 vm = 0;
+                for (int j = 0; j < 16; j++) {
+                    int64_t key = b * BK + c * 16 + j;
+                    if (key < tk && kpos[key] <= qp) vm |= (__mmask16)(1u << j);
+                }
+                valid[c] = vm;
+            }
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int c = 0; c < 4; c++) mx = _mm512_mask_max_ps(mx, valid[c], mx, _mm512_loadu_ps(sr + c * 16));
+            float bmax = _mm512_reduce_max_ps(mx);
+            bf16* pb = pr + r * BK;
+            if (bmax == -INFINITY) {  // this row sees no key of the block
+                memset(pb, 0, sizeof(bf16) * BK);
+                continue;
+            }
+            float mnew = m[r] > bmax ? m[r] : bmax;
+            float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mnew);
+            __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
+            for (int c = 0; c < 4; c += 2) {
+                __m512 p0 = _mm512_maskz_mov_ps(valid[c], exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + c * 16), vm)));
+                __m512 p1 = _mm512_maskz_mov_ps(valid[c + 1],
+                                                exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + (c + 1) * 16), vm)));
+                __m512bh packed = _mm512_cvtne2ps_pbh(p1, p0);  // p0 in the low half
+                _mm512_storeu_si512(pb + c * 16, (__m512i)packed);
+                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));  // unrounded, as PyTorch's flash kernel sums
+            }
+            l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
+            m[r] = mnew;
+            if (corr != 1.0f) {
+                __m512 vc = _mm512_set1_ps(corr);
+                for (int64_t c = 0; c < nc; c++)
+                    _mm512_storeu_ps(o + r * d + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + c * 16), vc));
+            }
+        }
+        // o += p @ v: RB rows at a time, nc vectors of 16 dims each (nc <= 8)
+        const int64_t rb = nc <= 4 ? 4 : 2;
+        for (int64_t r0 = 0; r0 < rows; r0 += rb) {
+            const int64_t rn = rows - r0 < rb ? rows - r0 : rb;
+            __m512 acc[4][8];
+            for (int64_t i = 0; i < rn; i++)
+                for (int64_t c = 0; c < nc; c++) acc[i][c] = _mm512_loadu_ps(o + (r0 + i) * d + c * 16);
+            for (int64_t kp = 0; kp < BK / 2; kp++) {
+                const bf16* vrow = vb + kp * d * 2;
+                __m512i vv[8];
+                for (int64_t c = 0; c < nc; c++) vv[c] = _mm512_loadu_si512(vrow + c * 32);
+                for (int64_t i = 0; i < rn; i++) {
+                    __m512i pp = _mm512_set1_epi32(pair_at(pr + (r0 + i) * BK + 2 * kp));
+                    for (int64_t c = 0; c < nc; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(vv[c]), as_bh(pp));
+                }
+            }
+            for (int64_t i = 0; i < rn; i++)
+                for (int64_t c = 0; c < nc; c++) _mm512_storeu_ps(o + (r0 + i) * d + c * 16, acc[i][c]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t t = r / g, head = hk * g + r % g;
+        bf16* dst = out + ((t0 + t) * h + head) * d;
+        float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int64_t x = 0; x < d; x++) dst[x] = to_bf16(o[r * d + x] * inv);
+    }
+}
+
+// Returns 0, or a negative code for an unsupported shape (the caller then uses torch).
+int rc_prefill_bf16(const bf16* q, int64_t q_rs, const bf16* k, int64_t k_rs, const bf16* v, int64_t v_rs,
+                    bf16* out, const int64_t* qpos, const int64_t* kpos, int64_t tq, int64_t tk, int64_t h,
+                    int64_t hkv, int64_t d, float scale, int nthreads) {
+    if (d % 32 != 0 || d > 128 || hkv <= 0 || h % hkv != 0 || tq <= 0 || tk <= 0) return -1;
+    const int64_t nblocks = (tk + BK - 1) / BK, g = h / hkv, nqb = (tq + BQ - 1) / BQ;
+    bf16* kpack = aligned_alloc(64, sizeof(bf16) * hkv * nblocks * BK * d);
+    bf16* vpack = aligned_alloc(64, sizeof(bf16) * hkv * nblocks * BK * d);
+    if (!kpack || !vpack) { free(kpack); free(vpack); return -2; }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < hkv * nblocks; i++)
+        pack_block(k, k_rs, v, v_rs, tk, i / nblocks, d, i % nblocks, kpack + i * BK * d, vpack + i * BK * d);
+    // later query blocks read more keys: hand them out first, then the short ones fill in
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t rows = BQ * g;
+        float* o = aligned_alloc(64, sizeof(float) * rows * d);
+        float* s = aligned_alloc(64, sizeof(float) * rows * BK);
+        bf16* pr = aligned_alloc(64, sizeof(bf16) * rows * BK);
+        float* m = malloc(sizeof(float) * rows);
+        float* l = malloc(sizeof(float) * rows);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < hkv * nqb; i++) {
+            int64_t qb = nqb - 1 - i / hkv, hk = i % hkv;
+            prefill_item(q, q_rs, out, qpos, kpos, tq, tk, h, hkv, d, scale, kpack, vpack, hk, qb, o, s, pr, m, l);
+        }
+        free(o); free(s); free(pr); free(m); free(l);
+    }
+    free(kpack);
+    free(vpack);
+    return 0;
+}
+
+// One decode step for B sequences: query b [H, D] (q row b, contiguous) over its own keys and
+// values (kptr[b], vptr[b]: [len[b], Hkv, D] with row stride kv_rs), every key visible.
+// Scores and probabilities stay fp32; keys and values are read once per KV head.
+int rc_decode_bf16(const bf16* q, const int64_t* kptr, const int64_t* vptr, const int64_t* lens, int64_t nseq,
+                   int64_t h, int64_t hkv, int64_t d, int64_t kv_rs, float scale, bf16* out, int nthreads) {
+    if (d % 32 != 0 || d > 128 || hkv <= 0 || h % hkv != 0 || h / hkv > 16) return -1;
+    const int64_t g = h / hkv, nc = d / 16;
+    int64_t maxlen = 0;
+    for (int64_t b = 0; b < nseq; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float* sc = aligned_alloc(64, sizeof(float) * g * ((maxlen + 15) / 16 * 16));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < nseq * hkv; i++) {
+            const int64_t b = i / hkv, hk = i % hkv, n = lens[b], np = (n + 15) / 16 * 16;
+            const bf16* kb = (const bf16*)(intptr_t)kptr[b] + hk * d;
+            const bf16* vb = (const bf16*)(intptr_t)vptr[b] + hk * d;
+            const bf16* qb = q + (b * h + hk * g) * d;
+            for (int64_t j = 0; j < n; j++) {
+                const bf16* kr = kb + j * kv_rs;
+                for (int64_t x = 0; x < g; x++) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < d; c += 32)
+                        acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kr + c)),
+                                               as_bh(_mm512_loadu_si512(qb + x * d + c)));
+                    sc[x * np + j] = _mm512_reduce_add_ps(acc) * scale;
+                }
+            }
+            for (int64_t x = 0; x < g; x++) {
+                float* sr = sc + x * np;
+                for (int64_t j = n; j < np; j++) sr[j] = -INFINITY;
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < np; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+                __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), sum = _mm512_setzero_ps();
+                for (int64_t j = 0; j < np; j += 16) {
+                    __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm));
+                    e = _mm512_maskz_mov_ps(j + 16 <= n ? 0xffff : (__mmask16)((1u << (n - j)) - 1u), e);
+                    _mm512_storeu_ps(sr + j, e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+                for (int64_t j = 0; j < n; j++) sr[j] *= inv;
+            }
+            __m512 acc[16][8];
+            for (int64_t x = 0; x < g; x++)
+                for (int64_t c = 0; c < nc; c++) acc[x][c] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                const bf16* vr = vb + j * kv_rs;
+                __m512 vv[8];
+                for (int64_t c = 0; c < nc; c++)
+                    vv[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(vr + c * 16)));
+                for (int64_t x = 0; x < g; x++) {
+                    __m512 p = _mm512_set1_ps(sc[x * np + j]);
+                    for (int64_t c = 0; c < nc; c++) acc[x][c] = _mm512_fmadd_ps(p, vv[c], acc[x][c]);
+                }
+            }
+            for (int64_t x = 0; x < g; x++) {
+                bf16* dst = out + (b * h + hk * g + x) * d;
+                float tmp[16];
+                for (int64_t c = 0; c < nc; c++) {
+                    _mm512_storeu_ps(tmp, acc[x][c]);
+                    for (int y = 0; y < 16; y++) dst[c * 16 + y] = to_bf16(tmp[y]);
+                }
+            }
+        }
+        free(sc);
+    }
+    return 0;
+}

@@ -1,0 +1,176 @@
+"""ragcache's own CPU attention (kernels/cpu_attention.c) for bf16 on AVX512-BF16 CPUs.
+
+The C source ships with the package and is compiled on first use with the system C compiler
+(`$CC`, default `gcc`; `-O3 -march=native -fopenmp`) into `$RAGCACHE_HOME/kernels/<digest>/`,
+keyed by the source, the flags and the CPU's flags, so another CPU builds its own copy. It is
+loaded with ctypes: no Python or torch headers are needed. Where it cannot run (not x86-64 Linux,
+no AVX512-BF16, no compiler, a failed build) every entry point returns None and the caller uses
+its torch path; the reason is logged once. `RAGCACHE_CPU_KERNELS=0` turns it off (A/B runs,
+tests of the torch path); `=1` makes a missing build an error instead of a silent fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("ragcache.kernels")
+
+ENV_VAR = "RAGCACHE_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16")
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128)
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def _mode() -> str:
+    value = os.environ.get(ENV_VAR, "auto").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    if value in ("1", "on", "true", "yes"):
+        return "on"
+    return "auto"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _build_dir(compiler: str) -> Path:
+    home = Path(os.environ.get("RAGCACHE_HOME", Path.home() / ".cache" / "ragcache")).expanduser()
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(" ".join((compiler, *FLAGS)).encode())
+    digest.update(" ".join(sorted(_cpu_flags())).encode())
+    return home / "kernels" / digest.hexdigest()[:16]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the library if this CPU and compiler have no copy yet; its path."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise BuildError(f"the native CPU kernels are for x86-64 Linux, not {platform.system()} {platform.machine()}")
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        raise BuildError(f"this CPU lacks {', '.join(missing)}")
+    cc = shutil.which(compiler or os.environ.get("CC", "gcc"))
+    if cc is None:
+        raise BuildError("no C compiler (set $CC or install gcc)")
+    target = _build_dir(cc) / "libragcache_cpu_attention.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise BuildError(f"{Path(cc).name} failed: {done.stderr.strip()[-400:]}")
+        os.replace(partial, target)  # atomic: concurrent builders never load half a file
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (BuildError, OSError) as exc:
+        log.info("native CPU attention unavailable (%s); using torch's", exc)
+        return None
+    lib.rc_prefill_bf16.restype = ctypes.c_int
+    lib.rc_prefill_bf16.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                                    _I64, ctypes.c_float, ctypes.c_int]
+    lib.rc_decode_bf16.restype = ctypes.c_int
+    lib.rc_decode_bf16.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR,
+                                   ctypes.c_int]
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None where it is off or cannot run here."""
+    mode = _mode()
+    if mode == "off":
+        return None
+    lib = _library()
+    if lib is None and mode == "on":
+        build()  # raises with the reason
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _usable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.stride(-1) == 1
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor,
+                      key_pos: torch.Tensor) -> torch.Tensor | None:
+    """q [Tq, H, D] over k/v [Tk, Hkv, D] (RoPE applied), a query seeing keys at positions <= its
+    own; key positions must ascend. None where the kernel does not apply (the caller falls back)."""
+    tq, heads, dim = q.shape
+    tk, kv_heads = k.shape[0], k.shape[1]
+    if not (_usable(q) and _usable(k) and _usable(v)) or dim not in SUPPORTED_HEAD_DIMS or tq == 0 or tk == 0:
+        return None
+    if q.stride(1) != dim or k.stride(1) != dim or v.stride(1) != dim or heads % kv_heads:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    qpos = query_pos.to(torch.int64).contiguous()
+    kpos = key_pos.to(torch.int64).contiguous()
+    out = torch.empty(tq, heads, dim, dtype=q.dtype)
+    rc = lib.rc_prefill_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                             out.data_ptr(), qpos.data_ptr(), kpos.data_ptr(), tq, tk, heads, kv_heads, dim,
+                             dim**-0.5, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor | None:
+    """One new token per sequence: q [B, H, D]; keys[b]/values[b] [n_b, Hkv, D] (every key visible,
+    rows of one stride for all). Returns [B, H * D], or None where the kernel does not apply."""
+    batch, heads, dim = q.shape
+    if not keys or dim not in SUPPORTED_HEAD_DIMS or not _usable(q) or not q.is_contiguous():
+        return None
+    row_stride = keys[0].stride(0)
+    for k, v in zip(keys, values, strict=True):
+        if not (_usable(k) and _usable(v)) or k.stride(0) != row_stride or v.stride(0) != row_stride:
+            return None
+        if k.stride(1) != dim or v.stride(1) != dim or k.shape[0] == 0:
+            return None
+    kv_heads = keys[0].shape[1]
+    if heads % kv_heads or heads // kv_heads > 16:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    kptr = torch.tensor([k.data_ptr() for k in keys], dtype=torch.int64)
+    vptr = torch.tensor([v.data_ptr() for v in values], dtype=torch.int64)
+    lens = torch.tensor([k.shape[0] for k in keys], dtype=torch.int64)
+    out = torch.empty(batch, heads * dim, dtype=q.dtype)
+    rc = lib.rc_decode_bf16(q.data_ptr(), kptr.data_ptr(), vptr.data_ptr(), lens.data_ptr(), batch, heads, kv_heads,
+                            dim, row_stride, dim**-0.5, out.data_ptr(), torch.get_num_threads())
+    return out if rc == 0 else None
