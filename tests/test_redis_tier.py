@@ -257,6 +257,36 @@ def test_a_chunk_in_ram_on_disk_and_in_redis_is_deleted_once(server, prefix, tmp
     tiers.flush()
     assert tiers.delete("doc-1") == 1 and tiers.delete(tenant="") == 1  # the other paths: once too
 
+def test_cachetune_scores_are_computed_once_for_the_disk_and_redis_tiers(server, prefix, tmp_path, monkeypatch):
+    """Regression: the disk writer and the Redis writer each ran `frequency_scores` (an rFFT over
+    every layer) on the same new entry. Counted on the real function, wherever the store binds it."""
+    import sys
+
+    from engine_sidecar.frequency import frequency_scores
+
+    calls: list[tuple[int, ...]] = []
+
+    def counted(keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        calls.append(tuple(keys.shape))
+        return frequency_scores(keys, values, *args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("engine_sidecar.store") and hasattr(module, "frequency_scores"):
+            monkeypatch.setattr(module, "frequency_scores", counted)
+    tiers = ChunkStore(1 << 20, tmp_path / "kv", CPU, redis=RedisTier(server.url, prefix=prefix))
+    entry = chunk(21)
+    tiers.put(key("a"), entry)
+    tiers.flush()
+    assert calls == [(3, 6, 2, 4)]
+    from_disk = ChunkStore(1 << 20, tmp_path / "kv", CPU).get(key("a"))
+    from_redis = store(server.url, prefix).get(key("a"))
+    assert from_disk is not None and from_redis is not None and from_disk.scores is not None
+    expected = frequency_scores(entry.keys, entry.values)
+    assert torch.equal(from_disk.scores, expected) and torch.equal(from_redis.scores, expected)
+    tiers.put(key("b"), from_disk)  # an entry that came with its scores: none computed
+    tiers.flush()
+    assert len(calls) == 1
+
 def test_redis_killed_mid_test_degrades_to_misses_and_the_breaker_opens(tmp_path, prefix):
     own = RedisServer(tmp_path / "redis")
     try:

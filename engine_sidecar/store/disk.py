@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from engine_sidecar.frequency import frequency_scores
 from engine_sidecar.store.entry import ChunkKV
 from engine_sidecar.store.write_queue import WriteQueue
 
@@ -378,8 +377,7 @@ class DiskTier:
         path = self.path_for(digest)
         keys, values = entry.keys.cpu().contiguous(), entry.values.cpu().contiguous()
         token_ids = entry.token_ids.cpu().contiguous()
-        scores = entry.scores if entry.scores is not None else frequency_scores(keys, values)
-        scores = scores.float().cpu().contiguous()
+        scores = entry.tune_scores().contiguous()
         tensors = {"keys": keys, "values": values, "token_ids": token_ids, "tune_scores": scores,
                    "row_sums": _row_sums(keys, values)}
         meta = {"digest": digest, "chunk_id": entry.chunk_id or "", "tenant": entry.tenant,

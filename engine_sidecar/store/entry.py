@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from engine_sidecar.frequency import frequency_scores
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,10 @@ class ChunkKV:
     # set while the KV is still on disk: keys/values are allocated but filled a layer at a time
     # by layer-wise prefetch (store.disk.LayerReader); None once they hold the data
     reader: Any = field(default=None, repr=False, compare=False)
-    scores: torch.Tensor | None = None  # CacheTune frequency scores [n] (cutoff 0.5), from the disk tier
+    # CacheTune frequency scores [n] (cutoff 0.5): read from a tier, or computed once by `tune_scores`
+    scores: torch.Tensor | None = None
+    # `tune_scores` runs on the disk and the Redis writer threads at once: one computes, one waits
+    _scores_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -49,3 +55,12 @@ class ChunkKV:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes + self.token_ids.nbytes
+
+    def tune_scores(self) -> torch.Tensor:
+        """The CacheTune scores the disk and Redis tiers store beside the KV (float32, CPU). Computed
+        once per entry and kept in `scores`: each tier used to run its own rFFT over every layer of
+        the same entry, and the CacheTune policy reuses them for the RAM copy too."""
+        with self._scores_lock:
+            if self.scores is None:
+                self.scores = frequency_scores(self.keys.detach().cpu(), self.values.detach().cpu())
+            return self.scores.detach().float().cpu()

@@ -36,7 +36,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
-from engine_sidecar.frequency import frequency_scores
 from engine_sidecar.store.entry import ChunkKV
 from engine_sidecar.store.write_queue import WriteQueue
 
@@ -151,8 +150,7 @@ def encode(digest: str, entry: ChunkKV, segment_bytes: int = SEGMENT_BYTES) -> d
         segments.append([first, last, _xxh(data)])
     token_ids = entry.token_ids.detach().cpu().to(torch.int64)
     fields["tokens"] = _raw(token_ids)
-    scores = entry.scores if entry.scores is not None else frequency_scores(keys, values)
-    fields["scores"] = _raw(scores.detach().cpu().float())
+    fields["scores"] = _raw(entry.tune_scores())
     body = {"v": FORMAT_VERSION, "digest": digest, "dtype": _dtype_name(keys.dtype), "shape": list(keys.shape),
             "segments": segments, "tokens": _xxh(fields["tokens"]), "scores": _xxh(fields["scores"]),
             "chunk_id": entry.chunk_id or "", "tenant": entry.tenant,
