@@ -73,10 +73,12 @@ static void pack_block(const bf16* k, int64_t k_rs, const bf16* v, int64_t v_rs,
 }
 
 // One work item: BQ query tokens x the G heads of KV head hk, over key blocks [0, kend).
-static void prefill_item(const bf16* q, int64_t q_rs, bf16* out, const int64_t* qpos, const int64_t* kpos,
-                         int64_t tq, int64_t tk, int64_t h, int64_t hkv, int64_t d, float scale,
-                         const bf16* kpack, const bf16* vpack, int64_t hk, int64_t qb, float* o, float* s,
-                         bf16* pr, float* m, float* l) {
+// Inlined per head size (see prefill_dispatch) so the inner loops have constant trip counts and
+// the accumulators stay in registers.
+static inline __attribute__((always_inline)) void prefill_item(
+        const bf16* q, int64_t q_rs, bf16* out, const int64_t* qpos, const int64_t* kpos, int64_t tq, int64_t tk,
+        int64_t h, int64_t hkv, const int64_t d, float scale, const bf16* kpack, const bf16* vpack, int64_t hk,
+        int64_t qb, float* o, float* s, bf16* pr, float* m, float* l) {
     const int64_t g = h / hkv, t0 = qb * BQ, nt = (tq - t0) < BQ ? (tq - t0) : BQ, rows = nt * g;
     const int64_t nblocks = (tk + BK - 1) / BK, nc = d / 16;
     int64_t qmax = INT64_MIN, qmin = INT64_MAX;
@@ -195,6 +197,20 @@ static void prefill_item(const bf16* q, int64_t q_rs, bf16* out, const int64_t* 
     }
 }
 
+static void prefill_dispatch(const bf16* q, int64_t q_rs, bf16* out, const int64_t* qpos, const int64_t* kpos,
+                             int64_t tq, int64_t tk, int64_t h, int64_t hkv, int64_t d, float scale,
+                             const bf16* kpack, const bf16* vpack, int64_t hk, int64_t qb, float* o, float* s,
+                             bf16* pr, float* m, float* l) {
+#define ITEM(D) prefill_item(q, q_rs, out, qpos, kpos, tq, tk, h, hkv, D, scale, kpack, vpack, hk, qb, o, s, pr, m, l)
+    switch (d) {
+        case 32: ITEM(32); break;
+        case 64: ITEM(64); break;
+        case 96: ITEM(96); break;
+        default: ITEM(128); break;
+    }
+#undef ITEM
+}
+
 // Returns 0, or a negative code for an unsupported shape (the caller then uses torch).
 int rc_prefill_bf16(const bf16* q, int64_t q_rs, const bf16* k, int64_t k_rs, const bf16* v, int64_t v_rs,
                     bf16* out, const int64_t* qpos, const int64_t* kpos, int64_t tq, int64_t tk, int64_t h,
@@ -219,7 +235,7 @@ int rc_prefill_bf16(const bf16* q, int64_t q_rs, const bf16* k, int64_t k_rs, co
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < hkv * nqb; i++) {
             int64_t qb = nqb - 1 - i / hkv, hk = i % hkv;
-            prefill_item(q, q_rs, out, qpos, kpos, tq, tk, h, hkv, d, scale, kpack, vpack, hk, qb, o, s, pr, m, l);
+            prefill_dispatch(q, q_rs, out, qpos, kpos, tq, tk, h, hkv, d, scale, kpack, vpack, hk, qb, o, s, pr, m, l);
         }
         free(o); free(s); free(pr); free(m); free(l);
     }
