@@ -107,17 +107,29 @@ def test_no_chunks_go_to_the_least_loaded():
     assert choose(ROUTE, [], HomeRing()).ranked == ()
 
 
-def test_router_state_adds_what_it_sent_until_the_replica_publishes_again():
+def test_router_state_adds_its_own_requests_until_they_complete_and_the_replica_publishes():
     state = RouterState()
     stats = {"version": 1, "seq": 3, "ram": ["x"], "disk": [], "queued_tokens": 100.0}
     view = state.view("r1", stats)
     assert view.ram == frozenset({"x"}) and view.queued_tokens == 100.0
-    state.routed("r1", ROUTE)
+    state.routed("r1", ROUTE, "req-1")
+    state.routed("r1", ROUTE, "req-2")
     view = state.view("r1", stats)
-    assert view.ram == frozenset({"x", "a", "b", "c"}) and view.queued_tokens == 100.0 + 850
+    # its own in-flight tokens (850 each) are newer than the snapshot's 100
+    assert view.ram == frozenset({"x", "a", "b", "c"}) and view.queued_tokens == 1700.0
+    state.completed("req-1")
+    assert state.view("r1", stats).queued_tokens == 850.0
+    state.completed("req-2")
+    # done: the published count again; the chunks it left there stay until the next snapshot
+    view = state.view("r1", stats)
+    assert view.queued_tokens == 100.0 and "a" in view.ram
     # stale residency: the replica's next snapshot (it evicted a, b and c) replaces the guess
     view = state.view("r1", {**stats, "seq": 4, "ram": [], "queued_tokens": 0.0})
     assert view.ram == frozenset() and view.queued_tokens == 0.0
+    # a dead replica's requests are dropped
+    state.routed("r1", ROUTE, "req-3")
+    state.forget("r1")
+    assert state.in_flight == {}
     # stats of another version (or none yet) hold nothing
     assert state.view("r2", None).ram == frozenset()
     assert ReplicaView.from_stats("r3", {"version": 99, "ram": ["a"]}).ram == frozenset()

@@ -72,10 +72,15 @@ class ChunkAffinityRouter(RequestRouter):
         views = [self.state.view(name, r.routing_stats) for name, r in by_name.items()]
         decision = choose(_route_of(pending_request), views, self.ring, self.params)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
+        log.debug("route %s: %s %s", decision.reason, decision.ranked, decision.scores)
         return [[by_name[name]] for name in decision.ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self.state.routed(replica_id.unique_id, _route_of(pending_request))
+        self.state.routed(replica_id.unique_id, _route_of(pending_request),
+                          pending_request.metadata.internal_request_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.state.completed(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -204,16 +209,18 @@ class Ingress:
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH"], include_in_schema=False)
     async def forward(self, path: str, request: Request) -> Any:
+        # the path below this app's route prefix: what `ragcache serve` would have seen
+        path = "/" + path
         body = await request.body() if request.method in _BODY_METHODS else b""
         route = None
         if request.method == "POST" and body:
             try:
                 parsed = json.loads(body)
                 if isinstance(parsed, dict):
-                    route = route_info_from_body(request.url.path, parsed, request.headers.get(TENANT_HEADER)).to_wire()
+                    route = route_info_from_body(path, parsed, request.headers.get(TENANT_HEADER)).to_wire()
             except (ValueError, AttributeError, TypeError):
                 route = None  # the replica answers the malformed body with its own 4xx
-        payload = request_payload(request.method, request.url.path, request.url.query.encode(),
+        payload = request_payload(request.method, path, request.url.query.encode(),
                                   [(k.encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()],
                                   body, route)
         last_error: BaseException | None = None
@@ -263,13 +270,13 @@ def start_ray(address: str | None, replicas: int, replica_cpus: float) -> None:
 
 def run(engine_args: argparse.Namespace, settings: ServerSettings, replicas: int, host: str, port: int,
         router: str = "affinity", replica_cpus: float = 1.0, address: str | None = None,
-        name: str = "ragcache", router_kwargs: dict[str, Any] | None = None) -> Any:
+        name: str = "ragcache", router_kwargs: dict[str, Any] | None = None, route_prefix: str = "/") -> Any:
     """Start (or join) Ray, start Serve's HTTP proxy on host:port and deploy; returns when every
     replica is up. The handle of the ingress is returned for callers that want one."""
     start_ray(address, replicas, replica_cpus)
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
     started = time.monotonic()
     handle = serve.run(build_app(engine_args, settings, replicas, router, replica_cpus, router_kwargs), name=name,
-                       route_prefix="/", logging_config={"log_level": "WARNING"})
+                       route_prefix=route_prefix, logging_config={"log_level": "WARNING"})
     log.info("%d replicas up in %.1f s", replicas, time.monotonic() - started)
     return handle

@@ -226,12 +226,13 @@ def choose(route: RouteInfo, replicas: list[ReplicaView], ring: HomeRing,
 
 @dataclass
 class RouterState:
-    """What one router adds to the replicas' published stats between two publications: the
-    tokens it sent each replica and the chunks those requests will leave there. Both reset when
-    the replica publishes a newer snapshot (its own count is the truth: a chunk it evicted, or a
-    chunk it lost in a restart, disappears from the view there, and its next miss re-adds it)."""
+    """What one router knows beyond the replicas' published stats (which arrive every few hundred
+    ms): the requests it sent that have not completed (their tokens are queued there now), and the
+    chunks its requests will leave on each replica. The chunk guess resets when the replica
+    publishes a newer snapshot: its own list is the truth (a chunk it evicted or lost in a restart
+    disappears there, and a request sent there anyway misses and computes it again)."""
 
-    sent_tokens: dict[str, float] = field(default_factory=dict)
+    in_flight: dict[str, tuple[str, float]] = field(default_factory=dict)  # request id -> (replica, tokens)
     sent_chunks: dict[str, set[str]] = field(default_factory=dict)
     seen_seq: dict[str, int] = field(default_factory=dict)
 
@@ -240,17 +241,22 @@ class RouterState:
         seq = int(stats.get("seq", -1)) if stats else -1
         if self.seen_seq.get(name) != seq:
             self.seen_seq[name] = seq
-            self.sent_tokens.pop(name, None)
             self.sent_chunks.pop(name, None)
         extra = self.sent_chunks.get(name)
+        mine = sum(tokens for replica, tokens in self.in_flight.values() if replica == name)
+        # the replica's count includes other routers' requests; ours is current to the moment
         return ReplicaView(base.name, base.ram | extra if extra else base.ram, base.disk,
-                           base.queued_tokens + self.sent_tokens.get(name, 0.0), base.disk_ratio,
-                           base.redis_ratio, base.redis)
+                           max(base.queued_tokens, mine), base.disk_ratio, base.redis_ratio, base.redis)
 
-    def routed(self, name: str, route: RouteInfo) -> None:
-        self.sent_tokens[name] = self.sent_tokens.get(name, 0.0) + route.tokens
+    def routed(self, name: str, route: RouteInfo, request_id: str) -> None:
+        self.in_flight[request_id] = (name, float(route.tokens))
         self.sent_chunks.setdefault(name, set()).update(c.key for c in route.chunks)
 
+    def completed(self, request_id: str) -> None:
+        self.in_flight.pop(request_id, None)
+
     def forget(self, name: str) -> None:
-        for table in (self.sent_tokens, self.sent_chunks, self.seen_seq):
+        for table in (self.sent_chunks, self.seen_seq):
             table.pop(name, None)
+        for request_id in [r for r, (replica, _) in self.in_flight.items() if replica == name]:
+            del self.in_flight[request_id]
