@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from engine_sidecar.bench.policy_specs import ORACLE_HELP, fidelity_policy_list_arg
+from engine_sidecar.bench.policy_specs import ORACLE_HELP, default_fidelity_policies, fidelity_policy_list_arg
 from engine_sidecar.engine_args import add_engine_arguments, engine_from_args
 from engine_sidecar.errors import RagCacheError
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, policy_arg, policy_help
@@ -254,8 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "set shipped in the fanoutqa wheel, assembled into passages; docs/benchmarks.md)")
     fid.add_argument("--n", type=int, default=20, help="number of questions")
     fid.add_argument("--k", type=int, default=4, help="chunks per question")
-    fid.add_argument("--policies", default="full,reuse,cacheblend:0.15,epic:16", type=fidelity_policy_list_arg,
-                     help="comma list of " + POLICY_HELP + ORACLE_HELP)
+    fid.add_argument("--policies", default=default_fidelity_policies(), type=fidelity_policy_list_arg,
+                     help="comma list of " + POLICY_HELP + ORACLE_HELP
+                     + f" (default: {default_fidelity_policies()}: the baseline, the engine's default and the "
+                     "strongest new selectors)")
     fid.add_argument("--max-tokens", type=int, default=32)
     fid.add_argument("--json", type=Path, default=None, help="write results JSON here")
     fid.add_argument("--no-transformers", action="store_true", help="skip timing transformers' own prefill")

@@ -7,9 +7,25 @@ from __future__ import annotations
 import argparse
 
 from engine_sidecar.errors import InvalidPromptError
-from ragcache_integrations.policy_registry import policy_arg
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, parse_policy_spec, policy_arg
 
 ORACLE = "oracle"
+
+
+# the strongest new selectors of issue 16 (docs/benchmarks.md, "mix" section): shown by default so
+# one `bench fidelity` command puts them beside the baseline they have to beat
+STRONGEST_NEW = ("prophet:0.15:nowindow", "mix:0.15:split")
+
+
+def default_fidelity_policies(default: str = DEFAULT_POLICY) -> str:
+    """`bench fidelity`'s --policies when none are given: full, reuse, cacheblend:0.15, the engine's
+    default policy and the strongest new ones, each once (a bare name is its registry default, so
+    'cacheblend' and 'cacheblend:0.15' are one policy), in that order."""
+    specs: list[str] = []
+    for spec in ("full", "reuse", "cacheblend:0.15", default, *STRONGEST_NEW):
+        if all(parse_policy_spec(spec) != parse_policy_spec(other) for other in specs):
+            specs.append(spec)
+    return ",".join(specs)
 
 
 def is_oracle(spec: str) -> bool:

@@ -1,0 +1,32 @@
+"""`bench fidelity` without --policies: full, reuse, cacheblend:0.15, the engine's default policy and
+the strongest new selectors, each once, all valid for the bench."""
+
+from __future__ import annotations
+
+from engine_sidecar.bench.policy_specs import (
+    STRONGEST_NEW,
+    default_fidelity_policies,
+    fidelity_policy_list_arg,
+)
+from engine_sidecar.cli import build_parser
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, parse_policy_spec
+
+
+def test_the_default_list_holds_baseline_default_and_new_selectors_once():
+    specs = default_fidelity_policies().split(",")
+    assert specs[:3] == ["full", "reuse", "cacheblend:0.15"]
+    parsed = [parse_policy_spec(s) for s in specs]
+    assert parse_policy_spec(DEFAULT_POLICY) in parsed
+    assert all(parse_policy_spec(s) in parsed for s in STRONGEST_NEW)
+    assert len(set(parsed)) == len(parsed)  # 'cacheblend' and 'cacheblend:0.15' are one policy
+    assert fidelity_policy_list_arg(default_fidelity_policies()) == default_fidelity_policies()
+
+
+def test_another_default_policy_is_added_after_the_baseline():
+    assert default_fidelity_policies("epic:8").split(",")[3] == "epic:8"
+    assert default_fidelity_policies("cacheblend").count("cacheblend") == 1
+
+
+def test_the_cli_uses_it():
+    args = build_parser().parse_args(["bench", "fidelity", "--data", "x.json"])
+    assert args.policies == default_fidelity_policies()
