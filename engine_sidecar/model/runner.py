@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engine_sidecar.errors import UnsupportedDtypeError
 from engine_sidecar.model.config import ModelConfig, load_config
 from engine_sidecar.model.weights import LayerWeights, ModelWeights, load_weights
+from ragcache_kernels import cpu_native
 from ragcache_kernels.dispatch import selective_attention
 from ragcache_kernels.rope import apply_rope, cos_sin, inv_frequencies
 
@@ -89,6 +90,8 @@ class ModelRunner:
         config = load_config(path)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
+        if dev.type == "cpu" and dt == torch.bfloat16:
+            cpu_native.library()  # built now (seconds, once per CPU), not on the first request's clock
         return cls(config, load_weights(path, config, dt, dev), dt, dev)
 
     @property
