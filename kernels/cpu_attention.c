@@ -56,23 +56,41 @@ static inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
     return (bf16)(u >> 16);
 }
 
-// K block b of one KV head as [D/2][BK][2]: 16 keys x one dim pair per vector (VNNI order).
-// V block b as [BK/2][D][2]: 16 dims x one key pair per vector. Keys past tk are zero.
+// K block b of one KV head as [D/2][BK][2]: 16 keys x one dim pair per vector (VNNI order), by
+// gathering each pair from 16 key rows. V block b as [BK/2][D][2]: 16 dims x one key pair per
+// vector, by interleaving two key rows. Keys past tk are zero.
 static void pack_block(const bf16* k, int64_t k_rs, const bf16* v, int64_t v_rs, int64_t tk, int64_t hk,
                        int64_t d, int64_t b, bf16* kp, bf16* vp) {
-    for (int64_t j = 0; j < BK; j++) {
-        int64_t key = b * BK + j;
-        const bf16* kr = key < tk ? k + key * k_rs + hk * d : NULL;
-        const bf16* vr = key < tk ? v + key * v_rs + hk * d : NULL;
+    const int32_t* kbase = (const int32_t*)(const void*)(k + hk * d);
+    for (int64_t j0 = 0; j0 < BK; j0 += 16) {
+        const int64_t first = b * BK + j0;
+        const __mmask16 live = first >= tk ? 0 : (tk - first >= 16 ? 0xffff : (__mmask16)((1u << (tk - first)) - 1u));
+        const __m512i rows = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int32_t)first),
+                                                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                                   11, 12, 13, 14, 15)),
+                                                _mm512_set1_epi32((int32_t)(k_rs / 2)));
         for (int64_t p = 0; p < d / 2; p++) {
-            kp[(p * BK + j) * 2] = kr ? kr[2 * p] : 0;
-            kp[(p * BK + j) * 2 + 1] = kr ? kr[2 * p + 1] : 0;
+            __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                        _mm512_add_epi32(rows, _mm512_set1_epi32((int32_t)p)),
+                                                        kbase, 4);
+            _mm512_storeu_si512(kp + (p * BK + j0) * 2, pairs);
         }
-        for (int64_t x = 0; x < d; x++) vp[((j / 2) * d + x) * 2 + (j & 1)] = vr ? vr[x] : 0;
+    }
+    const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                         0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                         0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t j = 0; j < BK; j += 2) {
+        const int64_t key = b * BK + j;
+        for (int64_t x = 0; x < d; x += 32) {
+            __m512i a = key < tk ? _mm512_loadu_si512(v + key * v_rs + hk * d + x) : _mm512_setzero_si512();
+            __m512i c = key + 1 < tk ? _mm512_loadu_si512(v + (key + 1) * v_rs + hk * d + x) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vp + ((j / 2) * d + x) * 2, _mm512_permutex2var_epi16(a, lo, c));
+            _mm512_storeu_si512(vp + ((j / 2) * d + x + 16) * 2, _mm512_permutex2var_epi16(a, hi, c));
+        }
     }
 }
 
-// One work item: BQ query tokens x the G heads of KV head hk, over key blocks [0, kend).
 // Inlined per head size (see prefill_dispatch) so the inner loops have constant trip counts and
 // the accumulators stay in registers.
 static inline __attribute__((always_inline)) void prefill_item(
