@@ -156,6 +156,12 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
     return run_load(args)
 
 
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from engine_sidecar.bench.cluster import run_cluster_bench
+
+    return run_cluster_bench(args)
+
+
 def cmd_bench_prefill(args: argparse.Namespace) -> int:
     from engine_sidecar.bench.prefill import run_prefill
 
@@ -392,6 +398,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "ratios; --json writes them and a Markdown table.")
     add_load_arguments(load)
     load.set_defaults(func=cmd_bench_load)
+
+    from engine_sidecar.bench.cluster import add_cluster_bench_arguments  # argparse only: no Ray import
+
+    cluster = bench.add_parser("cluster", help="replicas on Ray Serve: chunk-affinity routing vs round robin",
+                               description="A seeded documents stream replayed against N replicas behind Ray Serve, "
+                                           "once per router, from cold: local hit ratio, computed prefill tokens, "
+                                           "TTFT p50/p99, max/min replica load, Ray's per-request overhead.")
+    add_cluster_bench_arguments(cluster)
+    cluster.set_defaults(func=cmd_bench_cluster)
     return parser
 
 

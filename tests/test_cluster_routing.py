@@ -44,13 +44,13 @@ def test_scores_and_argmin_by_hand():
     r1 = ReplicaView("r1", ram=frozenset({"a", "b"}), queued_tokens=500.0)  # 100 missing + 500 = 600
     r2 = ReplicaView("r2", ram=frozenset({"c"}), queued_tokens=0.0)  # 700 missing + 0 = 700
     r3 = ReplicaView("r3", queued_tokens=200.0)  # 800 + 200 = 1000
-    params = RouterParams(load_floor_tokens=1000.0)
+    params = RouterParams(load_slack_tokens=1000.0)
     decision = choose(ROUTE, [r1, r2, r3], HomeRing(), params)
     assert decision.scores == {"r1": 600.0, "r2": 700.0, "r3": 1000.0}
     assert decision.ranked == ("r1", "r2", "r3")
     assert decision.reason == "affinity"
     # w = 2 doubles the missing part: r1 700, r2 1400, r3 1800
-    decision = choose(ROUTE, [r1, r2, r3], HomeRing(), RouterParams(w=2.0, load_floor_tokens=1000.0))
+    decision = choose(ROUTE, [r1, r2, r3], HomeRing(), RouterParams(w=2.0, load_slack_tokens=1000.0))
     assert decision.scores == {"r1": 700.0, "r2": 1400.0, "r3": 1800.0}
 
 
@@ -89,7 +89,7 @@ def test_imbalance_guard_falls_back_to_least_loaded():
     r2 = ReplicaView("r2", queued_tokens=0.0)  # score 800
     r3 = ReplicaView("r3", queued_tokens=100.0)  # score 900
     # scores pick r2 anyway; make r1 the argmin with a big w on misses
-    params = RouterParams(w=10.0, load_floor_tokens=1000.0)
+    params = RouterParams(w=10.0, load_slack_tokens=1000.0)
     # scores: r1 2000, r2 8000, r3 8100 -> r1; loads 3000 vs 1000 = 3 > 1.5 -> least loaded r2
     decision = choose(ROUTE, [r1, r2, r3], HomeRing(), params)
     assert decision.scores == {"r1": 2000.0, "r2": 8000.0, "r3": 8100.0}
@@ -171,3 +171,25 @@ def test_a_real_engine_publishes_what_it_holds(tiny_engine):
     view = ReplicaView.from_stats("r1", stats)
     info = route_info_from_body("/v1/generate", {"prompt": {"chunks": [text], "question": "q"}, "tenant": "acme"}, None)
     assert missing_tokens(info, view, frozenset(), RouterParams()) == 0.0
+
+
+def test_recent_work_feeds_the_guard_and_decays():
+    state = RouterState(decay=0.5)
+    state.routed("r1", ROUTE, "q1", work=100.0)
+    state.routed("r2", ROUTE, "q2", work=40.0)  # r1: 100 * 0.5 = 50, r2: 40
+    assert state.recent == {"r1": 50.0, "r2": 40.0}
+    state.completed("q1")
+    state.completed("q2")
+    assert state.view("r1", None).recent_tokens == 50.0 and state.view("r1", None).queued_tokens == 0.0
+    # a replica that took lots of work lately loses a request it holds the chunks for:
+    # loads 3000 vs 0, 3000 > 1.5 * 0 + 1024
+    r1 = ReplicaView("r1", ram=frozenset("abc"), recent_tokens=3000.0)
+    r2 = ReplicaView("r2")
+    decision = choose(ROUTE, [r1, r2], HomeRing())
+    assert decision.ranked[0] == "r2" and decision.reason == "imbalance"
+    # within 1.5x + slack it keeps its chunks' requests: 2000 <= 1.5 * 900 + 1024
+    decision = choose(ROUTE, [r1.__class__("r1", ram=frozenset("abc"), recent_tokens=2000.0),
+                              ReplicaView("r2", recent_tokens=900.0)], HomeRing())
+    assert decision.ranked[0] == "r1" and decision.reason == "affinity"
+    # the work estimate per replica: missing chunk tokens + the question (always computed)
+    assert decision.work == {"r1": 50.0, "r2": 850.0}

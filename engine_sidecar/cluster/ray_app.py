@@ -33,7 +33,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from engine_sidecar.cluster.asgi_bridge import request_payload, run_asgi
-from engine_sidecar.cluster.residency import QueuedTokens, routing_stats
+from engine_sidecar.cluster.residency import QueuedTokens, request_work, routing_stats
 from engine_sidecar.cluster.routing import (
     HomeRing,
     RouteInfo,
@@ -63,8 +63,9 @@ class ChunkAffinityRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self.params = RouterParams(**kwargs)
         self.ring = HomeRing()
-        self.state = RouterState()
+        self.state = RouterState(decay=self.params.decay)
         self.decisions: dict[str, int] = {}
+        self.work: dict[str, dict[str, float]] = {}  # request id -> estimated work per replica
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -73,11 +74,16 @@ class ChunkAffinityRouter(RequestRouter):
         decision = choose(_route_of(pending_request), views, self.ring, self.params)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         log.debug("route %s: %s %s", decision.reason, decision.ranked, decision.scores)
+        if pending_request is not None:
+            if len(self.work) > 10_000:  # requests chosen for but never sent (cancelled): drop the estimates
+                self.work.clear()
+            self.work[pending_request.metadata.internal_request_id] = decision.work
         return [[by_name[name]] for name in decision.ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self.state.routed(replica_id.unique_id, _route_of(pending_request),
-                          pending_request.metadata.internal_request_id)
+        request_id = pending_request.metadata.internal_request_id
+        work = self.work.pop(request_id, {}).get(replica_id.unique_id)
+        self.state.routed(replica_id.unique_id, _route_of(pending_request), request_id, work)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.state.completed(internal_request_id)
@@ -150,7 +156,7 @@ class EngineReplica:
         self.name = serve.get_replica_context().replica_id.unique_id
 
     async def serve_http(self, payload: dict[str, Any]) -> AsyncIterator[Any]:
-        tokens = RouteInfo.from_wire(payload.get("route")).tokens
+        tokens = request_work(self.engine, RouteInfo.from_wire(payload.get("route")))
         self.queued.add(tokens)
         try:
             first = True

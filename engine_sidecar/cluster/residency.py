@@ -9,7 +9,14 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from engine_sidecar.cluster.routing import STATS_VERSION, chunk_key
+from engine_sidecar.cluster.routing import (
+    STATS_VERSION,
+    ReplicaView,
+    RouteInfo,
+    RouterParams,
+    chunk_key,
+    missing_tokens,
+)
 
 if TYPE_CHECKING:
     from engine_sidecar.engine import Engine
@@ -67,3 +74,11 @@ def routing_stats(engine: Engine, queued: QueuedTokens, seq: int) -> dict[str, A
             "queued_tokens": queued.value, "redis": engine.store.redis is not None,
             "disk_ratio": _ratio(engine, "disk", DEFAULT_DISK_RATIO),
             "redis_ratio": _ratio(engine, "redis", DEFAULT_REDIS_RATIO)}
+
+
+def request_work(engine: Engine, route: RouteInfo) -> float:
+    """The prefill work (estimated computed tokens) a request brings this replica, by what it holds
+    now: what the replica publishes as queued, in the router's units."""
+    ram, disk = held_chunk_keys(engine)
+    here = ReplicaView("self", frozenset(ram), frozenset(disk), disk_ratio=_ratio(engine, "disk", DEFAULT_DISK_RATIO))
+    return missing_tokens(route, here, frozenset(), RouterParams()) + route.other_tokens

@@ -121,7 +121,8 @@ class ReplicaView:
     name: str
     ram: frozenset[str] = frozenset()
     disk: frozenset[str] = frozenset()
-    queued_tokens: float = 0.0
+    queued_tokens: float = 0.0  # prefill work (estimated computed tokens) accepted and not finished
+    recent_tokens: float = 0.0  # work this router sent it lately (decayed): the guard's memory
     disk_ratio: float = 0.1  # load/compute per token, measured by the replica when it has seen a load
     redis_ratio: float = 0.15
     redis: bool = False  # the replica reads the shared Redis tier
@@ -140,10 +141,12 @@ class ReplicaView:
 class RouterParams:
     w: float = 1.0  # weight of missing prefill tokens against queued tokens
     ram_cost: float = 0.0  # a RAM hit's cost per token (copy and rotate: ~0 next to compute)
-    imbalance: float = 1.5  # the guard: chosen load / smallest load above this -> least loaded
-    # added to every replica's load in the guard, so idle replicas (load 0) compare as a ratio
-    # of real work and not as a division by zero; about one request's prompt
-    load_floor_tokens: float = 1024.0
+    imbalance: float = 1.5  # the guard: chosen load > imbalance x smallest load + slack -> least loaded
+    # the guard's slack, about one request's prompt: with a few requests in flight, one request
+    # more on the best replica is not an imbalance (without it an idle replica, load 0, would
+    # take every request that arrives while the chunks' replica is busy, and affinity would be gone)
+    load_slack_tokens: float = 1024.0
+    decay: float = 0.9  # recent work is multiplied by this at every routed request (~10-request memory)
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ class Decision:
     ranked: tuple[str, ...]  # best first: Ray tries the next one when the first is full or gone
     reason: str  # "affinity" | "home" | "tie-home" | "imbalance" | "no-chunks"
     scores: dict[str, float] = field(default_factory=dict)
+    work: dict[str, float] = field(default_factory=dict)  # estimated computed tokens on each replica
 
 
 def chunk_cost(key: str, replica: ReplicaView, shared: frozenset[str], params: RouterParams) -> float:
@@ -201,12 +205,14 @@ def choose(route: RouteInfo, replicas: list[ReplicaView], ring: HomeRing,
         return Decision((), "no-replicas")
     names = [r.name for r in replicas]
     shared = frozenset().union(*(r.ram | r.disk for r in replicas))
-    scores = {r.name: params.w * missing_tokens(route, r, shared, params) + r.queued_tokens for r in replicas}
+    missing = {r.name: missing_tokens(route, r, shared, params) for r in replicas}
+    scores = {r.name: params.w * missing[r.name] + r.queued_tokens for r in replicas}
+    work = {name: m + route.other_tokens for name, m in missing.items()}
     largest = route.largest()
     # ring order from the largest chunk's home: the tie-break everywhere below
     ring_order = ring.order(names, largest.key if largest is not None else "")
     rank_of = {name: i for i, name in enumerate(ring_order)}
-    loads = {r.name: r.queued_tokens + params.load_floor_tokens for r in replicas}
+    loads = {r.name: r.queued_tokens + r.recent_tokens for r in replicas}
 
     if largest is None:
         chosen, reason = min(names, key=lambda n: (loads[n], rank_of[n])), "no-chunks"
@@ -218,10 +224,10 @@ def choose(route: RouteInfo, replicas: list[ReplicaView], ring: HomeRing,
         chosen = min(tied, key=lambda n: rank_of[n])
         reason = "tie-home" if len(tied) > 1 else "affinity"
     least = min(names, key=lambda n: (loads[n], scores[n], rank_of[n]))
-    if loads[chosen] > params.imbalance * loads[least]:
+    if loads[chosen] > params.imbalance * loads[least] + params.load_slack_tokens:
         chosen, reason = least, "imbalance"
     rest = sorted((n for n in names if n != chosen), key=lambda n: (scores[n], rank_of[n]))
-    return Decision((chosen, *rest), reason, scores)
+    return Decision((chosen, *rest), reason, scores, work)
 
 
 @dataclass
@@ -232,9 +238,11 @@ class RouterState:
     publishes a newer snapshot: its own list is the truth (a chunk it evicted or lost in a restart
     disappears there, and a request sent there anyway misses and computes it again)."""
 
-    in_flight: dict[str, tuple[str, float]] = field(default_factory=dict)  # request id -> (replica, tokens)
+    in_flight: dict[str, tuple[str, float]] = field(default_factory=dict)  # request id -> (replica, work)
     sent_chunks: dict[str, set[str]] = field(default_factory=dict)
     seen_seq: dict[str, int] = field(default_factory=dict)
+    recent: dict[str, float] = field(default_factory=dict)  # decayed work sent to each replica
+    decay: float = 0.9
 
     def view(self, name: str, stats: Mapping[str, Any] | None) -> ReplicaView:
         base = ReplicaView.from_stats(name, stats)
@@ -246,17 +254,23 @@ class RouterState:
         mine = sum(tokens for replica, tokens in self.in_flight.values() if replica == name)
         # the replica's count includes other routers' requests; ours is current to the moment
         return ReplicaView(base.name, base.ram | extra if extra else base.ram, base.disk,
-                           max(base.queued_tokens, mine), base.disk_ratio, base.redis_ratio, base.redis)
+                           max(base.queued_tokens, mine), self.recent.get(name, 0.0), base.disk_ratio,
+                           base.redis_ratio, base.redis)
 
-    def routed(self, name: str, route: RouteInfo, request_id: str) -> None:
-        self.in_flight[request_id] = (name, float(route.tokens))
+    def routed(self, name: str, route: RouteInfo, request_id: str, work: float | None = None) -> None:
+        """`work`: the request's estimated computed tokens there (all its tokens when unknown)."""
+        work = float(route.tokens if work is None else work)
+        self.in_flight[request_id] = (name, work)
         self.sent_chunks.setdefault(name, set()).update(c.key for c in route.chunks)
+        for replica in self.recent:
+            self.recent[replica] *= self.decay
+        self.recent[name] = self.recent.get(name, 0.0) + work
 
     def completed(self, request_id: str) -> None:
         self.in_flight.pop(request_id, None)
 
     def forget(self, name: str) -> None:
-        for table in (self.sent_chunks, self.seen_seq):
+        for table in (self.sent_chunks, self.seen_seq, self.recent):
             table.pop(name, None)
         for request_id in [r for r, (replica, _) in self.in_flight.items() if replica == name]:
             del self.in_flight[request_id]
