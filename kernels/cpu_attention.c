@@ -262,13 +262,82 @@ int rc_prefill_bf16(const bf16* q, int64_t q_rs, const bf16* k, int64_t k_rs, co
     return 0;
 }
 
+// One (sequence, KV head) pair of a decode step; inlined per head size like prefill_item.
+static inline __attribute__((always_inline)) void decode_item(
+        const bf16* q, const int64_t* kptr, const int64_t* vptr, const int64_t* lens, int64_t h, int64_t hkv,
+        const int64_t d, int64_t kv_rs, float scale, bf16* out, float* sc, int64_t i) {
+    const int64_t g = h / hkv, nc = d / 16;
+    const int64_t b = i / hkv, hk = i % hkv, n = lens[b], np = (n + 15) / 16 * 16;
+    const bf16* kb = (const bf16*)(intptr_t)kptr[b] + hk * d;
+    const bf16* vb = (const bf16*)(intptr_t)vptr[b] + hk * d;
+    const bf16* qb = q + (b * h + hk * g) * d;
+    for (int64_t j = 0; j < n; j++) {
+        const bf16* kr = kb + j * kv_rs;
+        for (int64_t x = 0; x < g; x++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < d; c += 32)
+                acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kr + c)),
+                                       as_bh(_mm512_loadu_si512(qb + x * d + c)));
+            sc[x * np + j] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+    for (int64_t x = 0; x < g; x++) {
+        float* sr = sc + x * np;
+        for (int64_t j = n; j < np; j++) sr[j] = -INFINITY;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < np; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+        __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < np; j += 16) {
+            __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm));
+            e = _mm512_maskz_mov_ps(j + 16 <= n ? 0xffff : (__mmask16)((1u << (n - j)) - 1u), e);
+            _mm512_storeu_ps(sr + j, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+        for (int64_t j = 0; j < n; j++) sr[j] *= inv;
+    }
+    __m512 acc[16][8];
+    for (int64_t x = 0; x < g; x++)
+        for (int64_t c = 0; c < nc; c++) acc[x][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const bf16* vr = vb + j * kv_rs;
+        __m512 vv[8];
+        for (int64_t c = 0; c < nc; c++)
+            vv[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(vr + c * 16)));
+        for (int64_t x = 0; x < g; x++) {
+            __m512 p = _mm512_set1_ps(sc[x * np + j]);
+            for (int64_t c = 0; c < nc; c++) acc[x][c] = _mm512_fmadd_ps(p, vv[c], acc[x][c]);
+        }
+    }
+    for (int64_t x = 0; x < g; x++) {
+        bf16* dst = out + (b * h + hk * g + x) * d;
+        float tmp[16];
+        for (int64_t c = 0; c < nc; c++) {
+            _mm512_storeu_ps(tmp, acc[x][c]);
+            for (int y = 0; y < 16; y++) dst[c * 16 + y] = to_bf16(tmp[y]);
+        }
+    }
+}
+
+static void decode_dispatch(const bf16* q, const int64_t* kptr, const int64_t* vptr, const int64_t* lens, int64_t h,
+                            int64_t hkv, int64_t d, int64_t kv_rs, float scale, bf16* out, float* sc, int64_t i) {
+#define ITEM(D) decode_item(q, kptr, vptr, lens, h, hkv, D, kv_rs, scale, out, sc, i)
+    switch (d) {
+        case 32: ITEM(32); break;
+        case 64: ITEM(64); break;
+        case 96: ITEM(96); break;
+        default: ITEM(128); break;
+    }
+#undef ITEM
+}
+
 // One decode step for B sequences: query b [H, D] (q row b, contiguous) over its own keys and
 // values (kptr[b], vptr[b]: [len[b], Hkv, D] with row stride kv_rs), every key visible.
 // Scores and probabilities stay fp32; keys and values are read once per KV head.
 int rc_decode_bf16(const bf16* q, const int64_t* kptr, const int64_t* vptr, const int64_t* lens, int64_t nseq,
                    int64_t h, int64_t hkv, int64_t d, int64_t kv_rs, float scale, bf16* out, int nthreads) {
     if (d % 32 != 0 || d > 128 || hkv <= 0 || h % hkv != 0 || h / hkv > 16) return -1;
-    const int64_t g = h / hkv, nc = d / 16;
+    const int64_t g = h / hkv;
     int64_t maxlen = 0;
     for (int64_t b = 0; b < nseq; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
 #pragma omp parallel num_threads(nthreads)
@@ -276,56 +345,7 @@ int rc_decode_bf16(const bf16* q, const int64_t* kptr, const int64_t* vptr, cons
         float* sc = aligned_alloc(64, sizeof(float) * g * ((maxlen + 15) / 16 * 16));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < nseq * hkv; i++) {
-            const int64_t b = i / hkv, hk = i % hkv, n = lens[b], np = (n + 15) / 16 * 16;
-            const bf16* kb = (const bf16*)(intptr_t)kptr[b] + hk * d;
-            const bf16* vb = (const bf16*)(intptr_t)vptr[b] + hk * d;
-            const bf16* qb = q + (b * h + hk * g) * d;
-            for (int64_t j = 0; j < n; j++) {
-                const bf16* kr = kb + j * kv_rs;
-                for (int64_t x = 0; x < g; x++) {
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < d; c += 32)
-                        acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kr + c)),
-                                               as_bh(_mm512_loadu_si512(qb + x * d + c)));
-                    sc[x * np + j] = _mm512_reduce_add_ps(acc) * scale;
-                }
-            }
-            for (int64_t x = 0; x < g; x++) {
-                float* sr = sc + x * np;
-                for (int64_t j = n; j < np; j++) sr[j] = -INFINITY;
-                __m512 mx = _mm512_set1_ps(-INFINITY);
-                for (int64_t j = 0; j < np; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
-                __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), sum = _mm512_setzero_ps();
-                for (int64_t j = 0; j < np; j += 16) {
-                    __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm));
-                    e = _mm512_maskz_mov_ps(j + 16 <= n ? 0xffff : (__mmask16)((1u << (n - j)) - 1u), e);
-                    _mm512_storeu_ps(sr + j, e);
-                    sum = _mm512_add_ps(sum, e);
-                }
-                const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-                for (int64_t j = 0; j < n; j++) sr[j] *= inv;
-            }
-            __m512 acc[16][8];
-            for (int64_t x = 0; x < g; x++)
-                for (int64_t c = 0; c < nc; c++) acc[x][c] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < n; j++) {
-                const bf16* vr = vb + j * kv_rs;
-                __m512 vv[8];
-                for (int64_t c = 0; c < nc; c++)
-                    vv[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(vr + c * 16)));
-                for (int64_t x = 0; x < g; x++) {
-                    __m512 p = _mm512_set1_ps(sc[x * np + j]);
-                    for (int64_t c = 0; c < nc; c++) acc[x][c] = _mm512_fmadd_ps(p, vv[c], acc[x][c]);
-                }
-            }
-            for (int64_t x = 0; x < g; x++) {
-                bf16* dst = out + (b * h + hk * g + x) * d;
-                float tmp[16];
-                for (int64_t c = 0; c < nc; c++) {
-                    _mm512_storeu_ps(tmp, acc[x][c]);
-                    for (int y = 0; y < 16; y++) dst[c * 16 + y] = to_bf16(tmp[y]);
-                }
-            }
+            decode_dispatch(q, kptr, vptr, lens, h, hkv, d, kv_rs, scale, out, sc, i);
         }
         free(sc);
     }
