@@ -30,10 +30,11 @@ def percentile_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Te
     if m == 0:
         return ranks
     values = scores[idx].float().cpu()
-    # mean rank over ties: count strictly lower plus half the equal others
-    lower = (values[None, :] < values[:, None]).sum(dim=1).float()
-    equal = (values[None, :] == values[:, None]).sum(dim=1).float() - 1.0
-    position = lower + equal / 2.0
+    ordered = torch.sort(values).values
+    # mean rank over ties, O(m log m): (strictly lower + lower-or-equal - 1) / 2
+    lower = torch.searchsorted(ordered, values, right=False).float()
+    upper = torch.searchsorted(ordered, values, right=True).float()
+    position = (lower + upper - 1.0) / 2.0
     ranks[idx.cpu()] = position / (m - 1) if m > 1 else torch.ones(m)
     return ranks
 
@@ -57,9 +58,11 @@ def select_mixed(question: torch.Tensor, deviation: torch.Tensor, candidates: to
         return chosen
     if mode == "rank":
         combined = rank_average(question.cpu(), deviation.cpu(), candidates)
-        # stable order: among equal averages the question's rank decides, then position
-        order = sorted(candidates.nonzero().squeeze(1).tolist(),
-                       key=lambda i: (-float(combined[i]), -float(question[i])))
+        # among equal averages the question's score decides, then position: two stable sorts
+        # (the second, by the average, keeps the first's order among ties)
+        idx = candidates.nonzero().squeeze(1)
+        by_question = idx[torch.sort(-question.cpu().float()[idx], stable=True).indices]
+        order = by_question[torch.sort(-combined[by_question], stable=True).indices]
         chosen[order[:budget]] = True
         return chosen
     if mode != "split":

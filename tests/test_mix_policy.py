@@ -133,3 +133,29 @@ def test_token_layers_include_the_probe(tiny_engine):
     assert stats.tokens_recomputed == blend.tokens_recomputed
     assert stats.token_layers_computed == blend.token_layers_computed + mix.probe_token_layers
     assert mix.probe_token_layers > 0
+
+
+def test_ranks_and_rank_order_match_the_definition_on_random_ties():
+    """The sort-based ranks equal the definition (strictly lower + half the equal others), and the
+    rank pick equals a plain sort by (average desc, question desc, position)."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        n = int(torch.randint(2, 40, (1,), generator=gen))
+        a = torch.randint(0, 5, (n,), generator=gen).float()  # few values: many ties
+        b = torch.randint(0, 5, (n,), generator=gen).float()
+        cand = torch.rand(n, generator=gen) < 0.8
+        m = int(cand.sum())
+        for scores in (a, b):
+            ranks = percentile_ranks(scores, cand)
+            for i in range(n):
+                if not cand[i]:
+                    assert ranks[i] == -1.0
+                    continue
+                others = scores[cand]
+                expected = (float((others < scores[i]).sum()) + (float((others == scores[i]).sum()) - 1) / 2)
+                assert abs(float(ranks[i]) - (expected / (m - 1) if m > 1 else 1.0)) < 1e-6
+        avg = rank_average(a, b, cand)
+        order = sorted(cand.nonzero().squeeze(1).tolist(), key=lambda i: (-float(avg[i]), -float(a[i]), i))
+        budget = max(1, m // 2)
+        picked = select_mixed(a, b, cand, budget).nonzero().squeeze(1).tolist()
+        assert picked == sorted(order[:budget])
