@@ -379,8 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "median is reported (default 5)")
     pre.add_argument("--warmup", type=int, default=1, help="unmeasured prefills per system and length first "
                      "(default 1)")
-    pre.add_argument("--systems", default="engine,transformers,vllm", help="comma list of engine | transformers | "
-                     "vllm (default: all three; vllm is skipped with a note when its virtualenv is missing)")
+    pre.add_argument("--systems", default="engine,transformers,vllm", help="comma list of engine | engine-sdpa | "
+                     "transformers | vllm (default: engine, transformers, vllm; engine-sdpa is the engine with "
+                     "PyTorch's SDPA instead of the native CPU attention; vllm is skipped with a note when its "
+                     "virtualenv is missing)")
     pre.add_argument("--vllm-python", type=Path, default=None,
                      help="python of the vLLM virtualenv (default: .venv-vllm/bin/python or $RAGCACHE_VLLM_PYTHON)")
     pre.add_argument("--threads", type=int, default=None, help="torch CPU threads for engine and transformers "

