@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -237,6 +238,27 @@ def test_deletes_reach_the_redis_tier(server, prefix):
     assert not other.contains(key("a", "acme")) and other.contains(key("c", "globex"))
     assert other.delete(tenant="acme") == 1 and other.get(key("b", "acme")) is None
     assert other.delete() == 1 and server.client().keys(f"{prefix}:*") == []
+
+
+def test_a_delete_racing_the_write_under_way_does_not_bring_the_entry_back(server, prefix):
+    """remove_many while the background writer is inside that very write: once the write lands,
+    the entry is deleted again (before flush returns), so Redis does not hold a deleted chunk."""
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldTier(RedisTier):  # the real tier; its writes wait for the test at the start
+        def write(self, digest, entry):
+            entered.set()
+            release.wait(10)
+            return super().write(digest, entry)
+
+    tier = HeldTier(server.url, prefix=prefix)
+    digest = key("racy").digest
+    tier.put(digest, chunk(11))
+    assert entered.wait(10)  # the writer is inside the write now
+    tier.remove_many([digest])
+    release.set()
+    assert tier.flush()
+    assert server.client().exists(f"{prefix}:{digest}") == 0
 
 
 def test_a_chunk_in_ram_on_disk_and_in_redis_is_deleted_once(server, prefix, tmp_path):

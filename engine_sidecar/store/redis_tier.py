@@ -251,7 +251,10 @@ class RedisTier:
         self.breaker = CircuitBreaker(failures_to_open, cooldown_s)
         self.counters = RedisCounters()
         self._lock = threading.Lock()  # guards the counters
-        self._writes: WriteQueue[ChunkKV] = WriteQueue("ragcache-redis-writer", self.write, max_pending_bytes)
+        # a write removed while under way is deleted again once it has landed (`on_cancelled`), so
+        # a delete never loses to the write it raced
+        self._writes: WriteQueue[ChunkKV] = WriteQueue("ragcache-redis-writer", self.write, max_pending_bytes,
+                                                       on_cancelled=self._delete_landed)
 
     @property
     def shown_url(self) -> str:
@@ -376,6 +379,9 @@ class RedisTier:
         if counts is _FAILED:
             return set()
         return {d for d, n in zip(digests, counts, strict=True) if n}
+
+    def _delete_landed(self, digest: str) -> None:
+        self._call("delete", lambda client: client.delete(self.key(digest)))
 
     def digests_of(self, chunk_id: str | None, tenant: str | None) -> set[str]:
         """Digests of the entries of one chunk id and/or one tenant (None: any), read from each
