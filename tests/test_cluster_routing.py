@@ -193,3 +193,23 @@ def test_recent_work_feeds_the_guard_and_decays():
     assert decision.ranked[0] == "r1" and decision.reason == "affinity"
     # the work estimate per replica: missing chunk tokens + the question (always computed)
     assert decision.work == {"r1": 50.0, "r2": 850.0}
+
+
+def test_a_choice_counts_before_ray_sends_it_and_expires_if_never_sent():
+    state = RouterState()
+    # three requests chosen back to back (Ray probes replicas between choosing and sending)
+    replicas = ["r1", "r2", "r3"]
+    first = choose(ROUTE, [state.view(n, None, now=0.0) for n in replicas], HomeRing())
+    state.chosen(first.ranked[0], ROUTE, "q1", first.work[first.ranked[0]], now=0.0)
+    # the same chunks again: the first choice already holds 850 tokens of work there
+    assert state.view(first.ranked[0], None, now=0.1).queued_tokens == 850.0
+    second = choose(ROUTE, [state.view(n, None, now=0.1) for n in replicas], HomeRing())
+    # sent_chunks is not touched before the send, so this is a "home" decision again: 850 queued
+    # there is within 1.5 x 0 + 1024, the guard lets it stay on the home
+    assert second.ranked[0] == first.ranked[0]
+    state.chosen(second.ranked[0], ROUTE, "q2", 850.0, now=0.1)
+    third = choose(ROUTE, [state.view(n, None, now=0.2) for n in replicas], HomeRing())
+    assert third.ranked[0] != first.ranked[0] and third.reason == "imbalance"  # 1700 > 1024
+    # sent: the pending entry becomes in-flight work; never sent: it stops counting
+    state.routed(first.ranked[0], ROUTE, "q1", 850.0)
+    assert state.view(first.ranked[0], None, now=10.0).queued_tokens == 850.0

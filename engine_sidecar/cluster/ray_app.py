@@ -71,13 +71,17 @@ class ChunkAffinityRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self.state.view(name, r.routing_stats) for name, r in by_name.items()]
-        decision = choose(_route_of(pending_request), views, self.ring, self.params)
+        route = _route_of(pending_request)
+        decision = choose(route, views, self.ring, self.params)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
         log.debug("route %s: %s %s", decision.reason, decision.ranked, decision.scores)
         if pending_request is not None:
             if len(self.work) > 10_000:  # requests chosen for but never sent (cancelled): drop the estimates
                 self.work.clear()
-            self.work[pending_request.metadata.internal_request_id] = decision.work
+            request_id = pending_request.metadata.internal_request_id
+            self.work[request_id] = decision.work
+            if decision.ranked:
+                self.state.chosen(decision.ranked[0], route, request_id, decision.work[decision.ranked[0]])
         return [[by_name[name]] for name in decision.ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

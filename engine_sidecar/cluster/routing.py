@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -243,22 +244,38 @@ class RouterState:
     seen_seq: dict[str, int] = field(default_factory=dict)
     recent: dict[str, float] = field(default_factory=dict)  # decayed work sent to each replica
     decay: float = 0.9
+    # chosen but not yet sent: request id -> (replica, work, when). Ray probes replicas between
+    # choosing and sending, so requests arriving together were all chosen against the same empty
+    # state and piled onto one replica; counting a choice at once prevents that. Entries of
+    # requests never sent (cancelled) stop counting after `pending_ttl_s`.
+    pending: dict[str, tuple[str, float, float]] = field(default_factory=dict)
+    pending_ttl_s: float = 5.0
 
-    def view(self, name: str, stats: Mapping[str, Any] | None) -> ReplicaView:
+    def view(self, name: str, stats: Mapping[str, Any] | None, now: float | None = None) -> ReplicaView:
         base = ReplicaView.from_stats(name, stats)
         seq = int(stats.get("seq", -1)) if stats else -1
         if self.seen_seq.get(name) != seq:
             self.seen_seq[name] = seq
             self.sent_chunks.pop(name, None)
         extra = self.sent_chunks.get(name)
+        now = time.monotonic() if now is None else now
         mine = sum(tokens for replica, tokens in self.in_flight.values() if replica == name)
+        mine += sum(work for replica, work, when in self.pending.values()
+                    if replica == name and now - when < self.pending_ttl_s)
         # the replica's count includes other routers' requests; ours is current to the moment
         return ReplicaView(base.name, base.ram | extra if extra else base.ram, base.disk,
                            max(base.queued_tokens, mine), self.recent.get(name, 0.0), base.disk_ratio,
                            base.redis_ratio, base.redis)
 
+    def chosen(self, name: str, route: RouteInfo, request_id: str, work: float, now: float | None = None) -> None:
+        """The router picked `name` first for this request; Ray has not sent it yet."""
+        self.pending[request_id] = (name, float(work), time.monotonic() if now is None else now)
+        if len(self.pending) > 10_000:  # only cancelled requests' entries can pile up
+            self.pending.clear()
+
     def routed(self, name: str, route: RouteInfo, request_id: str, work: float | None = None) -> None:
         """`work`: the request's estimated computed tokens there (all its tokens when unknown)."""
+        self.pending.pop(request_id, None)
         work = float(route.tokens if work is None else work)
         self.in_flight[request_id] = (name, work)
         self.sent_chunks.setdefault(name, set()).update(c.key for c in route.chunks)
@@ -268,9 +285,12 @@ class RouterState:
 
     def completed(self, request_id: str) -> None:
         self.in_flight.pop(request_id, None)
+        self.pending.pop(request_id, None)
 
     def forget(self, name: str) -> None:
         for table in (self.sent_chunks, self.seen_seq, self.recent):
             table.pop(name, None)
         for request_id in [r for r, (replica, _) in self.in_flight.items() if replica == name]:
             del self.in_flight[request_id]
+        for request_id in [r for r, (replica, _, _) in self.pending.items() if replica == name]:
+            del self.pending[request_id]
