@@ -3,8 +3,9 @@
     python -m ragcache_kernels.bench                       # SmolLM2 shapes, 2,048 keys
     python -m ragcache_kernels.bench --model llama8b --tokens 8192 --ratio 0.15
 
-On CUDA with triton installed every op is timed on both backends. Elsewhere only the torch
-reference path is timed (the Triton interpreter exists for correctness, its speed means
+On CUDA with triton installed every op is timed on both backends. On a CPU with AVX512-BF16 and
+bf16 (the default dtype here), ragcache's native CPU attention is timed beside the torch rows.
+Otherwise only the torch reference path is timed (the Triton interpreter exists for correctness, its speed means
 nothing), and the output says so. Results print as a table and are written as JSON.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ragcache_kernels import dispatch
+from ragcache_kernels import cpu_native, dispatch
 from ragcache_kernels.attention import segment_ids_from_boundaries
 from ragcache_kernels.rope import inv_frequencies
 
@@ -162,6 +163,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             Row("selective_attention", name, shape, tokens, ms, tokens / (ms / 1e3), reference_attention / ms)
         )
 
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_native.available():
+        rows += _native_rows(q, k, v, query_pos, key_pos, full_q[0].transpose(0, 1), reference_attention,
+                             rows, args)
+
     if kernels_timed:
         note = "CUDA: Triton kernels and torch reference both timed"
     else:
@@ -180,6 +185,41 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "results": [asdict(r) for r in rows],
     }
+
+
+def _native_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                 full_q: torch.Tensor, reference_ms: float, rows: list[Row], args: argparse.Namespace) -> list[Row]:
+    """ragcache's native CPU attention (bf16, AVX512-BF16) beside the torch rows above: the same
+    scattered queries, every token causally (vs PyTorch's causal SDPA), and one decode step for 8
+    sequences (vs one torch call per sequence, as the executor does without the kernel)."""
+    cpu = torch.device("cpu")
+    num_keys, kv_heads, head_dim = k.shape
+    heads = q.shape[1]
+    out: list[Row] = []
+    ms = _timed(lambda: cpu_native.prefill_attention(q, k, v, query_pos, key_pos), cpu, args.warmup, args.repeats)
+    out.append(Row("selective_attention", "native_cpu", f"q={q.shape[0]} k={num_keys} h={heads}/{kv_heads} d={head_dim}",
+                   q.shape[0], ms,
+                   q.shape[0] / (ms / 1e3), reference_ms / ms))
+    dense_ms = next(r.ms for r in rows if r.impl == "sdpa_dense_causal_all_tokens")
+    ms = _timed(lambda: cpu_native.prefill_attention(full_q, k, v, key_pos, key_pos), cpu, args.warmup, args.repeats)
+    out.append(Row("selective_attention", "native_cpu_dense_causal", f"q={num_keys} k={num_keys}", num_keys, ms,
+                   num_keys / (ms / 1e3), dense_ms / ms))
+    group, scale = heads // kv_heads, head_dim**-0.5
+    queries = torch.randn(8, heads, head_dim).to(q.dtype)
+    keys, values = [k] * 8, [v] * 8
+
+    def per_sequence() -> None:
+        for i in range(8):
+            scores = torch.matmul(keys[i].transpose(0, 1), queries[i].view(kv_heads, group, head_dim).transpose(1, 2))
+            probs = torch.softmax(scores.float().mul_(scale), dim=1).to(v.dtype)
+            torch.matmul(probs.transpose(1, 2), values[i].transpose(0, 1))
+
+    torch_ms = _timed(per_sequence, cpu, args.warmup, args.repeats)
+    out.append(Row("decode_attention", "torch_per_sequence", f"8 seqs x k={num_keys}", 8, torch_ms,
+                   8 / (torch_ms / 1e3), 1.0))
+    ms = _timed(lambda: cpu_native.decode_attention(queries, keys, values), cpu, args.warmup, args.repeats)
+    out.append(Row("decode_attention", "native_cpu", f"8 seqs x k={num_keys}", 8, ms, 8 / (ms / 1e3), torch_ms / ms))
+    return out
 
 
 def print_table(report: dict[str, object]) -> None:

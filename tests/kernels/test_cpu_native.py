@@ -5,6 +5,8 @@ SDPA makes against the same fp32 reference, not to bit equality with it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -179,3 +181,15 @@ def test_real_model_bf16_guards_hold_with_the_kernel(smol_bf16_engine, smol_dir)
     hf_error = (hf_bf16[0, -1].float() - exact).abs().max().item()
     assert (full.float() - exact).abs().max().item() <= 2 * hf_error + 1e-2
     assert int(full.argmax()) == int(exact.argmax())
+
+
+def test_kernel_microbenchmark_times_the_native_rows_beside_torch(tmp_path, capsys):
+    from ragcache_kernels import bench
+
+    out = tmp_path / "kernels.json"
+    assert bench.main(["--tokens", "256", "--repeats", "1", "--warmup", "0", "--out", str(out)]) == 0
+    rows = {(r["op"], r["impl"]): r for r in json.loads(out.read_text())["results"]}
+    for key in [("selective_attention", "native_cpu"), ("selective_attention", "native_cpu_dense_causal"),
+                ("decode_attention", "native_cpu"), ("decode_attention", "torch_per_sequence")]:
+        assert rows[key]["ms"] > 0 and rows[key]["speedup_vs_reference"] > 0
+    assert "native_cpu" in capsys.readouterr().out
