@@ -68,16 +68,25 @@ class BuildError(RuntimeError):
     pass
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the library if this CPU and compiler have no copy yet; its path."""
+def unsupported_reason(compiler: str | None = None) -> str | None:
+    """Why this machine cannot have the kernel at all (platform, CPU, no compiler); None if it
+    can, in which case a failing build is a bug, not a reason."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        raise BuildError(f"the native CPU kernels are for x86-64 Linux, not {platform.system()} {platform.machine()}")
+        return f"the native CPU kernels are for x86-64 Linux, not {platform.system()} {platform.machine()}"
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
     if missing:
-        raise BuildError(f"this CPU lacks {', '.join(missing)}")
+        return f"this CPU lacks {', '.join(missing)}"
+    if shutil.which(compiler or os.environ.get("CC", "gcc")) is None:
+        return "no C compiler (set $CC or install gcc)"
+    return None
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the library if this CPU and compiler have no copy yet; its path."""
+    if (reason := unsupported_reason(compiler)) is not None:
+        raise BuildError(reason)
     cc = shutil.which(compiler or os.environ.get("CC", "gcc"))
-    if cc is None:
-        raise BuildError("no C compiler (set $CC or install gcc)")
+    assert cc is not None
     target = _build_dir(cc) / "libragcache_cpu_attention.so"
     if target.exists():
         return target
