@@ -44,7 +44,7 @@ def test_scores_and_argmin_by_hand():
     r1 = ReplicaView("r1", ram=frozenset({"a", "b"}), queued_tokens=500.0)  # 100 missing + 500 = 600
     r2 = ReplicaView("r2", ram=frozenset({"c"}), queued_tokens=0.0)  # 700 missing + 0 = 700
     r3 = ReplicaView("r3", queued_tokens=200.0)  # 800 + 200 = 1000
-    params = RouterParams(load_slack_tokens=1000.0)
+    params = RouterParams(w=1.0, load_slack_tokens=1000.0)
     decision = choose(ROUTE, [r1, r2, r3], HomeRing(), params)
     assert decision.scores == {"r1": 600.0, "r2": 700.0, "r3": 1000.0}
     assert decision.ranked == ("r1", "r2", "r3")

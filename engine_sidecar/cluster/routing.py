@@ -140,7 +140,10 @@ class ReplicaView:
 
 @dataclass(frozen=True)
 class RouterParams:
-    w: float = 1.0  # weight of missing prefill tokens against queued tokens
+    # weight of missing prefill tokens against queued ones: a missing token is computed by a
+    # replica that shares the machine's cores, a queued one only waits; `ragcache bench cluster`
+    # measured w=4 ahead of w=1 (docs/benchmarks.md, run 3)
+    w: float = 4.0
     ram_cost: float = 0.0  # a RAM hit's cost per token (copy and rotate: ~0 next to compute)
     imbalance: float = 1.5  # the guard: chosen load > imbalance x smallest load + slack -> least loaded
     # the guard's slack, about one request's prompt: with a few requests in flight, one request
