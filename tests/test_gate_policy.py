@@ -13,16 +13,8 @@ import torch
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.policies import GatePolicy, ProphetPolicy, parse_policy, span_masks
 from engine_sidecar.prophet import first_token_margin, probe
-from ragcache_integrations import ChunkedPrompt
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
-
-PASSAGES = [
-    "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
-    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres.",
-    "The Danube passes Vienna, Budapest and Belgrade before it reaches the Black Sea.",
-]
-QUESTION = "Which river reaches the Atlantic?"
-PROMPT = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
+from tests.policy_prompt import PASSAGES, PROMPT, QUESTION
 
 
 def _warm(engine) -> None:

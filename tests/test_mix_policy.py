@@ -14,16 +14,8 @@ from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.mix import percentile_ranks, rank_average, select_mixed
 from engine_sidecar.policies import LayerView, MixPolicy, parse_policy, span_masks
 from engine_sidecar.prophet import probe_scores
-from ragcache_integrations import ChunkedPrompt
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
-
-PASSAGES = [
-    "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
-    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres.",
-    "The Danube passes Vienna, Budapest and Belgrade before it reaches the Black Sea.",
-]
-QUESTION = "Which river reaches the Atlantic?"
-PROMPT = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
+from tests.policy_prompt import PASSAGES, PROMPT
 
 
 def test_percentile_ranks_by_hand():

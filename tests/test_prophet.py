@@ -16,13 +16,7 @@ from engine_sidecar.prophet import attention_scores, probe_scores, reader_mask, 
 from ragcache_integrations import ChunkedPrompt
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
 from ragcache_kernels.rope import apply_rope
-
-PASSAGES = [
-    "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
-    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres.",
-    "The Danube passes Vienna, Budapest and Belgrade before it reaches the Black Sea.",
-]
-QUESTION = "Which river reaches the Atlantic?"
+from tests.policy_prompt import PASSAGES, QUESTION
 
 
 def test_attention_scores_by_hand_each_head_normalized_over_fused_keys():
