@@ -19,6 +19,7 @@ from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.plan import FusionPlan
 from engine_sidecar.policies import LayerView, Policy
 from engine_sidecar.prefetch import LayerPrefetcher, PrefetchTimes
+from engine_sidecar.prophet import ReusedKV
 from engine_sidecar.store.entry import ChunkKV
 from ragcache_kernels import dispatch
 from ragcache_kernels.rope import apply_rope
@@ -104,16 +105,19 @@ def fused_prefill(
         if span.mode == "fuse":
             fused[span.start : span.end] = True
 
-    probe_token_layers = policy.prepare(runner, plan)  # model work before layer 0 (prophet's question probe)
-    active_mask = policy.initial_active(plan) | ~has_cache
-    # tokens active from layer 0 that stay active never read their cached rows: skip them
-    skip = active_mask if policy.keeps_initial_active else None
-    prefetcher = LayerPrefetcher(plan, kv.keys_pre, kv.values, prefetch_depth, skip).start()
     lazy = any(s.cached is not None and s.cached.reader is not None and s.mode != "fresh" for s in plan.spans)
+    reused = None
     if bool(has_cache.any()) and not lazy:
         # every layer's cached keys rotated to their new positions in one pass; per layer only the
         # recomputed rows are rotated again (with prefetch, layers arrive one by one: per layer)
         kv.keys[:, :n] = apply_rope(kv.keys_pre[:, :n], cos, sin)
+        # a question probe reads them here rather than copying and rotating them once more
+        reused = ReusedKV(kv.keys[:, :n], kv.values[:, :n])
+    probe_token_layers = policy.prepare(runner, plan, reused)  # model work before layer 0 (the question probe)
+    active_mask = policy.initial_active(plan) | ~has_cache
+    # tokens active from layer 0 that stay active never read their cached rows: skip them
+    skip = active_mask if policy.keeps_initial_active else None
+    prefetcher = LayerPrefetcher(plan, kv.keys_pre, kv.values, prefetch_depth, skip).start()
     active = active_mask.nonzero().squeeze(1).to(device)
     must_keep = (~has_cache)[active.cpu()].to(device)
     hidden = runner.embed(ids[active])

@@ -23,6 +23,7 @@ from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_
 
 if TYPE_CHECKING:
     from engine_sidecar.model.runner import ModelRunner
+    from engine_sidecar.prophet import ReusedKV
 
 
 @dataclass
@@ -82,9 +83,11 @@ class Policy:
         """Bool mask [A] of tokens to keep, or None to keep all."""
         return None
 
-    def prepare(self, runner: ModelRunner, plan: FusionPlan) -> int:
+    def prepare(self, runner: ModelRunner, plan: FusionPlan, reused: ReusedKV | None = None) -> int:
         """Work with the model before layer 0 (prophet's question probe); returns the
-        token-layers it computed, which count in the request's computed share. Most: none."""
+        token-layers it computed, which count in the request's computed share. Most: none.
+        `reused` is the prefill's KV buffer with the cached KV in place (None where it is read
+        layer by layer during the prefill): the probe reads it instead of its own copy."""
         return 0
 
 
@@ -312,21 +315,24 @@ class MixPolicy(CacheBlendPolicy):
     prophet probe scores each fused token by the question's attention over the reused KV (every
     layer, no windows); as under CacheBlend every fused token is computed up to the check layer,
     where the top-r tokens by the rank-average of that score and the KV deviation (`rank`), or half
-    the budget by each (`split`), keep being recomputed. Cost: CacheBlend's plus the probe. At r = 1
-    every fused token is recomputed on every layer (full prefill) and no probe runs."""
+    the budget by each (`split`), keep being recomputed. Cost: CacheBlend's plus the probe; `layers`
+    stops the probe after the first L layers. At r = 1 every fused token is recomputed on every
+    layer (full prefill) and no probe runs."""
 
     name = "mix"
     needs_cached_kv = True  # the probe reads every cached layer before layer 0
 
-    def __init__(self, ratio: float = 0.15, mode: str = "rank", check_layer: int = 1):
+    def __init__(self, ratio: float = 0.15, mode: str = "rank", check_layer: int = 1, layers: int | None = None):
         super().__init__(ratio, check_layer)
         if mode not in ("rank", "split"):
             raise InvalidPromptError(f"mix mode must be 'rank' or 'split', got {mode!r}")
-        self.mode = mode
+        if layers is not None and layers < 1:
+            raise InvalidPromptError(f"mix probe layers must be >= 1, got {layers}")
+        self.mode, self.layers = mode, layers
         self.question_scores = torch.zeros(0)  # [T] the probe's scores for the last prepared plan
         self.probe_token_layers = 0
 
-    def prepare(self, runner: ModelRunner, plan: FusionPlan) -> int:
+    def prepare(self, runner: ModelRunner, plan: FusionPlan, reused: ReusedKV | None = None) -> int:
         from engine_sidecar.prophet import probe_scores
 
         fused = span_masks(plan)[0]
@@ -335,7 +341,7 @@ class MixPolicy(CacheBlendPolicy):
         budget = math.ceil(self.ratio * int(fused.sum()))
         if self.ratio >= 1.0 or budget <= 0 or budget >= int(fused.sum()):  # nothing to choose
             return 0
-        self.question_scores, self.probe_token_layers = probe_scores(runner, plan)
+        self.question_scores, self.probe_token_layers = probe_scores(runner, plan, self.layers, reused)
         return self.probe_token_layers
 
     def refine(self, view: LayerView) -> torch.Tensor | None:
@@ -356,7 +362,8 @@ class ProphetPolicy(Policy):
     token by the question's attention, normalized per head and averaged over layers
     (`prophet.probe_scores`); the top-r fused tokens, each with `radius` neighbours on both sides,
     are recomputed from layer 0 on every layer. The budget ceil(r x fused tokens) includes the
-    windows. At r = 1 every fused token is recomputed (full prefill) and no probe runs."""
+    windows; `layers` stops the probe after the first L layers (scores averaged over those). At
+    r = 1 every fused token is recomputed (full prefill) and no probe runs."""
 
     name = "prophet"
     needs_cached_kv = True  # the probe reads every cached layer before layer 0
@@ -365,19 +372,21 @@ class ProphetPolicy(Policy):
     def __init__(self, ratio: float = 0.15, radius: int = 1, layers: int | None = None):
         if not 0.0 <= ratio <= 1.0 or radius < 0:
             raise InvalidPromptError(f"{self.name} ratio must be in [0, 1] and radius >= 0, got {ratio}, {radius}")
+        if layers is not None and layers < 1:
+            raise InvalidPromptError(f"{self.name} probe layers must be >= 1, got {layers}")
         self.ratio, self.radius, self.layers = ratio, radius, layers
         self.selected = torch.zeros(0, dtype=torch.bool)  # fused tokens picked for the last plan
         self.probe_token_layers = 0
         self._prepared_for: FusionPlan | None = None
 
-    def prepare(self, runner: ModelRunner, plan: FusionPlan) -> int:
+    def prepare(self, runner: ModelRunner, plan: FusionPlan, reused: ReusedKV | None = None) -> int:
         from engine_sidecar.prophet import probe_scores
 
         fused, budget = self._budget(plan)
         if budget >= int(fused.sum()) or budget <= 0:  # all or nothing: no scores needed
             self.selected = fused if budget > 0 else torch.zeros_like(fused)
             return 0
-        scores, self.probe_token_layers = probe_scores(runner, plan, self.layers)
+        scores, self.probe_token_layers = probe_scores(runner, plan, self.layers, reused)
         self.selected = self._top(scores, fused, budget, plan)
         return self.probe_token_layers
 
@@ -421,7 +430,7 @@ class GatePolicy(ProphetPolicy):
         self.escalated = False  # the last plan's budget was spent (margin below the threshold)
         self.margin = math.nan  # the last plan's first-token margin under reuse (nan: no probe ran)
 
-    def prepare(self, runner: ModelRunner, plan: FusionPlan) -> int:
+    def prepare(self, runner: ModelRunner, plan: FusionPlan, reused: ReusedKV | None = None) -> int:
         from engine_sidecar.prophet import first_token_margin, probe
 
         fused, budget = self._budget(plan)
@@ -430,7 +439,7 @@ class GatePolicy(ProphetPolicy):
             self.escalated = budget > 0
             self.selected = fused if budget > 0 else torch.zeros_like(fused)
             return 0
-        result = probe(runner, plan, logits=True)
+        result = probe(runner, plan, logits=True, reused=reused)
         self.probe_token_layers = result.token_layers
         if result.logits is not None:
             self.margin = first_token_margin(result.logits)
@@ -469,9 +478,9 @@ def parse_policy(spec: str) -> Policy:
     if parsed.name == "focus":
         return FocusPolicy(float(value or 0.0))
     if parsed.name == "prophet":
-        return ProphetPolicy(float(value or 0.0), radius=0 if parsed.option else 1)
+        return ProphetPolicy(float(value or 0.0), radius=0 if parsed.option else 1, layers=parsed.probe_layers)
     if parsed.name == "mix":
-        return MixPolicy(float(value or 0.0), mode="split" if parsed.option else "rank")
+        return MixPolicy(float(value or 0.0), mode="split" if parsed.option else "rank", layers=parsed.probe_layers)
     if parsed.name == "gate":
         return GatePolicy(float(value or 0.0))
     if parsed.name == "epic":

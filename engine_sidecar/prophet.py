@@ -10,9 +10,15 @@ neighbours (CacheClip), are then recomputed from layer 0 on every layer; the res
 cached KV.
 
 The probe costs (question + fresh tokens) x layers token-layers, 1-2% of a RAG prompt; it is
-counted in the request's computed share. This module computes and selects; the Policy wrappers
-are `policies.ProphetPolicy` and `policies.GatePolicy` (which also reads the probe's prediction of
-the first answer token: under `reuse` the model would answer exactly that).
+counted in the request's computed share. Its time is more than that share: every probed layer's
+attention runs over all cached keys. So the probe reads the prefill's own KV buffer (the cached
+keys are rotated once, for both), scores all query heads of a KV head in one matmul, and `layers`
+stops it after the first L layers (`probeL` in the policy grammar), its cost about proportional
+to L.
+
+This module computes and selects; the Policy wrappers are `policies.ProphetPolicy`,
+`policies.MixPolicy` and `policies.GatePolicy` (which also reads the probe's prediction of the
+first answer token: under `reuse` the model would answer exactly that).
 """
 
 from __future__ import annotations
@@ -41,11 +47,24 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, 
     restricted to the fused keys and rescaled to sum to 1 there (a head with no mass on fused
     keys contributes nothing); heads are then averaged, so the result sums to 1 over the fused
     keys (0 elsewhere) unless no head sees a fused key."""
-    k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    logits = torch.einsum("rhd,khd->hrk", q.float(), k) / math.sqrt(q.shape[-1])
-    visible = position_mask(query_pos, key_pos, sliding_window)
-    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num_(0.0)
-    per_head = probs.mean(dim=1) * fused.to(probs.device)  # [H, n]
+    readers, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    # grouped-query attention without repeating the keys: the query heads of one KV head are one
+    # batched matmul [Hkv, group x R, D] x [Hkv, D, n] (repeating fp32 keys per query head was
+    # half the score's time); the same fp32 products, so the same scores
+    qg = q.float().view(readers, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * readers, dim)
+    logits = torch.matmul(qg, k.float().permute(1, 2, 0)).mul_(1.0 / math.sqrt(dim))
+    hidden = ~position_mask(query_pos, key_pos, sliding_window)  # [R, n]
+    # only the keys from the first one some reader may not see are masked (the question's own
+    # tokens, at the end): a broadcast masked_fill over all keys cost as much as the matmul
+    some = hidden.any(dim=0)
+    first = int(some.int().argmax()) if bool(some.any()) else hidden.shape[1]
+    logits[:, :, first:].masked_fill_(hidden[:, first:].repeat(group, 1), float("-inf"))  # rows (g, r) as in qg
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # [Hkv, group x R, n]
+    # head h = kv head h // group, member h % group (repeat_interleave's order)
+    per_head = probs.view(kv_heads, group, readers, -1).mean(dim=2).reshape(heads, -1)
+    per_head = per_head * fused.to(probs.device)  # [H, n]
     total = per_head.sum(dim=1, keepdim=True)
     per_head = torch.where(total > 0, per_head / total.clamp_min(1e-30), per_head)
     return per_head.mean(dim=0)
@@ -66,6 +85,17 @@ def reader_mask(plan: FusionPlan) -> torch.Tensor:
 
 
 @dataclass
+class ReusedKV:
+    """The prefill's KV buffer lent to the probe, so the cached keys are not copied and rotated a
+    second time: keys [L, n, Hkv, D] rotated to their global positions and values [L, n, Hkv, D].
+    Rows of cached tokens hold their cached KV and are only read; the other rows are scratch the
+    probe writes (the prefill computes those tokens on every layer and overwrites them)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
 class Probe:
     scores: torch.Tensor  # [T] over the fused tokens (0 elsewhere), averaged over the probed layers
     token_layers: int  # computed, counted in the request's computed share
@@ -74,17 +104,21 @@ class Probe:
     logits: torch.Tensor | None = None
 
 
-def probe_scores(runner: ModelRunner, plan: FusionPlan, layers: int | None = None) -> tuple[torch.Tensor, int]:
+def probe_scores(runner: ModelRunner, plan: FusionPlan, layers: int | None = None,
+                 reused: ReusedKV | None = None) -> tuple[torch.Tensor, int]:
     """(scores [T] over the fused tokens, token-layers computed) from a probe of the uncached
     tokens over the reused KV in the first `layers` layers (all by default)."""
-    result = probe(runner, plan, layers)
+    result = probe(runner, plan, layers, reused=reused)
     return result.scores, result.token_layers
 
 
 @torch.inference_mode()
-def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logits: bool = False) -> Probe:
+def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logits: bool = False,
+          reused: ReusedKV | None = None) -> Probe:
     """The question probe (`probe_scores`); with `logits`, the last layer is also finished for the
-    last prompt token and its next-token logits returned (the gate policy's confidence check)."""
+    last prompt token and its next-token logits returned (the gate policy's confidence check).
+    With `reused` (the prefill's buffer) the cached KV is read there; without, from the plan's
+    entries into a buffer of the probe's own."""
     n = plan.num_tokens
     device = runner.device
     cached = torch.zeros(n, dtype=torch.bool)
@@ -102,6 +136,9 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
     scores = torch.zeros(n)
     if not bool(fused.any()) or not bool(readers.any()) or depth == 0:
         return Probe(scores, 0)
+    if reused is not None and tuple(reused.keys.shape[:2]) != (runner.num_layers, n):
+        raise ValueError(f"reused KV holds {tuple(reused.keys.shape[:2])} (layers, tokens), "
+                         f"the plan needs {(runner.num_layers, n)}")
     # reuse's prediction needs the last prompt token through every layer; a cached last token
     # (never under a plan the executor accepts) has no prediction to offer
     finish_last = logits and depth == runner.num_layers and not bool(cached[n - 1])
@@ -114,22 +151,31 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
     cos_c, sin_c, pos_c = cos[computed], sin[computed], positions[computed]
     fused_d = fused.to(device)
     hidden = runner.embed(ids[computed])
-    keys = torch.empty(n, c.num_kv_heads, c.head_dim, dtype=runner.dtype, device=device)
-    values = torch.empty_like(keys)
+    own_keys = own_values = None
+    if reused is None:
+        own_keys = torch.empty(n, c.num_kv_heads, c.head_dim, dtype=runner.dtype, device=device)
+        own_values = torch.empty_like(own_keys)
     # the class's step, not the instance attribute: a wrapper observing the prefill's layers on
     # the instance (bench fidelity's per-layer hidden-state capture and its TTFT stamps) must see
     # the prefill proper, not the probe before it
     mlp = type(runner).mlp
     next_logits = None
     for layer in range(depth):
-        for span in plan.spans:
-            if span.cached is not None and span.mode != "fresh":
-                keys[span.start : span.end] = span.cached.keys[layer]
-                values[span.start : span.end] = span.cached.values[layer]
         qkv = runner.qkv(layer, hidden)
-        keys[computed], values[computed] = qkv.k, qkv.v
-        rotated = apply_rope(keys, cos, sin)
         q = apply_rope(qkv.q, cos_c, sin_c)
+        if reused is not None:
+            rotated, values = reused.keys[layer], reused.values[layer]
+            rotated[computed] = apply_rope(qkv.k, cos_c, sin_c)  # RoPE is per row: as rotating all
+            values[computed] = qkv.v
+        else:
+            assert own_keys is not None and own_values is not None
+            keys, values = own_keys, own_values
+            for span in plan.spans:
+                if span.cached is not None and span.mode != "fresh":
+                    keys[span.start : span.end] = span.cached.keys[layer]
+                    values[span.start : span.end] = span.cached.values[layer]
+            keys[computed], values[computed] = qkv.k, qkv.v
+            rotated = apply_rope(keys, cos, sin)
         scores += attention_scores(q[readers], rotated, pos_c[readers], positions, fused_d,
                                    c.sliding_window).cpu()
         if layer + 1 < depth:

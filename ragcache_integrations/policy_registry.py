@@ -5,8 +5,11 @@ adapters' field descriptions all read this table, so a policy added here is acce
 and documented the same way everywhere. Standard library only: the adapters import it, and they
 must not pull torch.
 
-A spec is `name[:argument[:option]]`: `cacheblend`, `cacheblend:0.3`, `cacheblend:auto:gradual`,
-`epic:16`, `cachecraft:1:nostop`. An empty argument means the default (`cacheblend::gradual`).
+A spec is `name[:argument[:tag]...]`: `cacheblend`, `cacheblend:0.3`, `cacheblend:auto:gradual`,
+`epic:16`, `cachecraft:1:nostop`, `prophet:0.15:nowindow:probe8`. An empty argument means the
+default (`cacheblend::gradual`). A tag is the entry's one option word or, for the policies that run
+the question probe, `probeL` (the probe stops after the first L layers); each at most once, in any
+order.
 """
 
 from __future__ import annotations
@@ -38,15 +41,18 @@ class PolicyEntry:
     default: float | int | None = None
     auto: bool = False  # 'auto' may stand in for the argument: the engine picks the ratio
     option: str | None = None  # the one word allowed after the argument
+    probe: bool = False  # runs the question probe: `probeL` limits it to the first L layers
 
     @property
     def form(self) -> str:
-        """The grammar of this entry, e.g. `cacheblend[:ratio|auto[:gradual]]`."""
+        """The grammar of this entry, e.g. `cacheblend[:ratio|auto[:gradual]]`,
+        `prophet[:ratio[:nowindow][:probeL]]`."""
         if self.arg is None:
             return self.name
         arg = f"{self.arg}|auto" if self.auto else self.arg
         option = f"[:{self.option}]" if self.option else ""
-        return f"{self.name}[:{arg}{option}]"
+        probe = f"[:{PROBE_TAG}L]" if self.probe else ""
+        return f"{self.name}[:{arg}{option}{probe}]"
 
     @property
     def examples(self) -> tuple[str, ...]:
@@ -58,7 +64,15 @@ class PolicyEntry:
             specs.append(f"{self.name}:auto")
         if self.option:
             specs.append(f"{self.name}:{self.default}:{self.option}")
+        if self.probe:
+            specs.append(f"{self.name}:{self.default}:{self.option}:{PROBE_TAG}8" if self.option
+                         else f"{self.name}:{self.default}:{PROBE_TAG}8")
         return tuple(specs)
+
+
+# `probeL`: the question probe (prophet, mix) runs the first L layers only, so its cost is about
+# L / depth of the whole probe's; whether the picks hold up is for `bench fidelity` to tell
+PROBE_TAG = "probe"
 
 
 POLICIES: tuple[PolicyEntry, ...] = (
@@ -74,11 +88,12 @@ POLICIES: tuple[PolicyEntry, ...] = (
     PolicyEntry("prophet", "question-driven: a probe of the question over the reused KV at every layer scores "
                 "each fused token (attention normalized per head, averaged over layers); the top-ratio tokens, "
                 "each with one neighbour on either side, recomputed from layer 0 (default 0.15; nowindow: no "
-                "neighbours)", arg="ratio", default=0.15, option="nowindow"),
+                "neighbours; probeL: the probe runs the first L layers only)", arg="ratio", default=0.15,
+                option="nowindow", probe=True),
     PolicyEntry("mix", "CacheBlend's KV deviation and prophet's question attention combined: every fused token "
                 "computed to the check layer, then the top-ratio tokens by the mean of their two percentile ranks "
-                "kept (default 0.15; split: half the budget by each score)", arg="ratio", default=0.15,
-                option="split"),
+                "kept (default 0.15; split: half the budget by each score; probeL: the probe runs the first L "
+                "layers only)", arg="ratio", default=0.15, option="split", probe=True),
     PolicyEntry("gate", "confidence-gated: the prophet probe also predicts the first answer token over the reused "
                 "KV; where p(top 1) - p(top 2) >= 0.5 nothing is recomputed (reuse), otherwise the top-ratio tokens "
                 "as for prophet (default 0.3; the cost varies per request)", arg="ratio", default=0.3),
@@ -124,6 +139,7 @@ class PolicySpec:
     value: float | int | None = None
     auto: bool = False
     option: bool = False
+    probe_layers: int | None = None  # `probeL`: the question probe's depth (None: every layer)
 
 
 def _value(entry: PolicyEntry, text: str, spec: str) -> float | int:
@@ -146,19 +162,39 @@ def parse_policy_spec(spec: str) -> PolicySpec:
     if entry is None:
         raise PolicySpecError(f"unknown policy '{spec}': use {valid_policies_text()}")
     arg = parts[0] if parts else ""
-    option = parts[1] if len(parts) > 1 else ""
     if parts and entry.arg is None:
         raise PolicySpecError(f"bad argument in policy '{spec}': {name} takes no argument (form: {entry.form})")
-    if len(parts) > 2 or (option and option != entry.option):
-        extra = ":".join(parts[1:])
-        allowed = f"only '{entry.option}'" if entry.option else "none"
-        raise PolicySpecError(f"bad argument in policy '{spec}': unknown {name} option '{extra}' "
-                              f"({allowed}; form: {entry.form})")
+    option, probe_layers = _tags(entry, parts[1:], spec)
     if entry.arg is None:
         return PolicySpec(name)
     auto = entry.auto and arg == "auto"
     value = entry.default if arg == "" or auto else _value(entry, arg, spec)
-    return PolicySpec(name, value, auto, bool(option))
+    return PolicySpec(name, value, auto, option, probe_layers)
+
+
+def _tags(entry: PolicyEntry, tags: list[str], spec: str) -> tuple[bool, int | None]:
+    """(option word given, probe depth or None) from the tags after the argument; empty tags are
+    nothing (`cacheblend:0.2:` is `cacheblend:0.2`)."""
+    option, probe_layers = False, None
+    for tag in tags:
+        if not tag:
+            continue
+        if entry.option is not None and tag == entry.option and not option:
+            option = True
+        elif entry.probe and tag.startswith(PROBE_TAG) and probe_layers is None:
+            depth = tag[len(PROBE_TAG):]
+            if not (depth.isascii() and depth.isdigit()) or int(depth) < 1:
+                raise PolicySpecError(f"bad argument in policy '{spec}': {PROBE_TAG}L needs L, the layers the "
+                                      f"probe runs, a whole number >= 1, got '{tag}' (form: {entry.form})")
+            probe_layers = int(depth)
+        else:
+            words = [f"'{entry.option}'"] if entry.option else []
+            words += [f"{PROBE_TAG}L"] if entry.probe else []
+            allowed = ("none" if not words else f"only {words[0]}" if len(words) == 1
+                       else f"only {' and '.join(words)}, each once")
+            raise PolicySpecError(f"bad argument in policy '{spec}': unknown {entry.name} option "
+                                  f"'{':'.join(tags)}' ({allowed}; form: {entry.form})")
+    return option, probe_layers
 
 
 def check_policy(spec: str) -> str:
@@ -183,6 +219,6 @@ def policy_list_arg(text: str) -> str:
     return text
 
 
-__all__ = ["BY_NAME", "DEFAULT_POLICY", "NAMES", "POLICIES", "PolicyEntry", "PolicySpec", "PolicySpecError",
+__all__ = ["BY_NAME", "DEFAULT_POLICY", "NAMES", "POLICIES", "PROBE_TAG", "PolicyEntry", "PolicySpec", "PolicySpecError",
            "check_policy", "forms", "forms_text", "parse_policy_spec", "policy_arg", "policy_help", "policy_list_arg",
            "valid_policies_text"]

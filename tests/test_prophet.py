@@ -206,7 +206,7 @@ def test_api_accepts_the_grammar(tiny_engine, policy):
         for bad in ("prophet:auto", "prophet:0.2:gradual", "prophet:2"):
             error = client.post("/v1/generate", json={**body, "policy": bad})
             assert error.status_code == 422 and error.json()["error"]["param"] == "policy"
-            assert "prophet[:ratio[:nowindow]]" in error.json()["error"]["message"]
+            assert "prophet[:ratio[:nowindow][:probeL]]" in error.json()["error"]["message"]
 
 
 def test_the_probe_is_invisible_to_the_benchs_per_layer_capture(tiny_engine):
@@ -219,3 +219,65 @@ def test_the_probe_is_invisible_to_the_benchs_per_layer_capture(tiny_engine):
     with capture_last_hidden(tiny_engine.runner) as rows:
         fused_prefill(tiny_engine.runner, plan, ProphetPolicy(0.2))
     assert len(rows) == tiny_engine.runner.num_layers
+
+
+def test_the_probe_reads_the_prefills_buffer_with_the_same_scores(tiny_engine):
+    """Given the prefill's KV buffer (cached rows in place, keys rotated), the probe computes the
+    very scores it computes from the plan's entries into a buffer of its own."""
+    from engine_sidecar.prophet import ReusedKV, probe
+
+    tiny_engine.warm(PASSAGES)
+    plan = _plan(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
+    runner = tiny_engine.runner
+    c = runner.config
+    n = plan.num_tokens
+    keys_pre = torch.zeros(runner.num_layers, n, c.num_kv_heads, c.head_dim, dtype=runner.dtype)
+    values = torch.zeros_like(keys_pre)
+    for span in plan.spans:
+        if span.cached is not None and span.mode != "fresh":
+            keys_pre[:, span.start : span.end] = span.cached.keys
+            values[:, span.start : span.end] = span.cached.values
+    cos, sin = runner.rope_tables(torch.arange(n))
+    lent = ReusedKV(apply_rope(keys_pre, cos, sin), values)
+    own = probe(runner, plan)
+    shared = probe(runner, plan, reused=lent)
+    assert torch.allclose(shared.scores, own.scores, atol=1e-6) and shared.token_layers == own.token_layers
+    with pytest.raises(ValueError, match="reused KV holds"):
+        probe(runner, plan, reused=ReusedKV(lent.keys[:, :-1], lent.values[:, :-1]))
+
+
+def test_probe_layers_stop_the_probe_and_count_only_its_layers(tiny_engine):
+    tiny_engine.warm(PASSAGES)
+    plan = _plan(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
+    runner = tiny_engine.runner
+    full_scores, full_work = probe_scores(runner, plan)
+    one_scores, one_work = probe_scores(runner, plan, layers=1)
+    assert one_work * runner.num_layers == full_work
+    fused = span_masks(plan)[0]
+    assert abs(one_scores.sum().item() - 1.0) < 1e-4 and one_scores[~fused].abs().max().item() == 0.0
+    assert not torch.allclose(one_scores, full_scores)  # layer 1 alone is not the average of all
+    # through the grammar, served: the request's computed share counts the probe's one layer
+    policy = parse_policy("prophet:0.2:nowindow:probe1")
+    assert isinstance(policy, ProphetPolicy) and policy.layers == 1 and policy.radius == 0
+    _, stats = tiny_engine.prefill_logits(ChunkedPrompt(chunks=PASSAGES, question=QUESTION),
+                                          policy="prophet:0.2:probe1:nowindow")
+    assert stats.chunk_hits == 3
+
+
+@pytest.mark.parametrize("spec,layers,option", [
+    ("prophet:0.2:probe8", 8, False), ("prophet:0.2:nowindow:probe3", 3, True),
+    ("prophet::probe2:nowindow", 2, True), ("mix:0.15:split:probe4", 4, True), ("mix:0.1:probe12", 12, False),
+])
+def test_probe_tag_grammar(spec, layers, option):
+    parsed = parse_policy_spec(spec)
+    assert parsed.probe_layers == layers and parsed.option is option
+
+
+@pytest.mark.parametrize("spec", ["prophet:0.2:probe0", "prophet:0.2:probe", "prophet:0.2:probeX",
+                                  "prophet:0.2:probe2:probe3", "prophet:0.2:nowindow:nowindow",
+                                  "cacheblend:0.2:probe4", "gate:0.3:probe4"])
+def test_bad_probe_tags_are_clear_errors(spec):
+    with pytest.raises(PolicySpecError, match="bad argument"):
+        parse_policy_spec(spec)
+    with pytest.raises(InvalidPromptError):
+        parse_policy(spec)
