@@ -140,6 +140,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine_sidecar.server.serve import serve
 
     if wants_cluster(args):  # --replicas N / --ray-address: Ray Serve (engine_sidecar/cluster)
+        if args.engine != "ragcache":
+            raise SystemExit("ragcache: error: --replicas / --ray-address serve ragcache's own engine; with "
+                             "--engine vllm run one sidecar per vLLM")
         return serve_cluster(args)
     return serve(args, engine_from_args)
 

@@ -17,7 +17,7 @@ import httpx
 BANNER = re.compile(r"ragcache serving on (http://\S+)")
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
+def parent_death_signal() -> Callable[[], None] | None:
     """A function for the child (between fork and exec) asking Linux to send it SIGTERM when its
     parent dies, so a killed chatbot or test run never leaves a sidecar holding a model. libc is
     loaded here, in the parent: loading a library in a forked child of a threaded process can
@@ -60,7 +60,7 @@ class ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
-                                         preexec_fn=_parent_death_signal())
+                                         preexec_fn=parent_death_signal())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,4 +1,5 @@
-"""The sidecar application: one Engine behind native, OpenAI-compatible and operator routes."""
+"""The sidecar application: one engine backend (ragcache's Engine, or vLLM with ragcache's KV
+connector) behind native, OpenAI-compatible and operator routes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
+from engine_sidecar.server.backend import ServingBackend, as_backend
 from engine_sidecar.server.body_limit import BodySizeLimit
 from engine_sidecar.server.context import ServerContext
 from engine_sidecar.server.errors import install_error_handlers
@@ -28,13 +30,15 @@ DESCRIPTION = """Chunk-level KV-cache reuse for RAG. Send retrieved chunks as st
 new position and partly recomputed. Errors are `{"error": {message, type, field, param, code}}`."""
 
 
-def create_app(engine: Engine, settings: ServerSettings | None = None,
+def create_app(engine: Engine | ServingBackend, settings: ServerSettings | None = None,
                on_shutdown: Callable[[], None] | None = None) -> FastAPI:
-    """`on_shutdown` runs after the worker stopped; `ragcache serve` passes engine.close there (it
-    flushes the disk tier). The caller owns the engine otherwise, as tests sharing one do."""
+    """`engine`: an Engine, or a backend (server/backend.py). `on_shutdown` runs after the worker
+    stopped; `ragcache serve` passes the backend's close there (it flushes the disk tier, or stops
+    vLLM). The caller owns the engine otherwise, as tests sharing one do."""
     settings = settings or ServerSettings()
     worker = EngineWorker(settings.max_queue)
-    ctx = ServerContext(engine, worker, ServerMetrics(engine, worker), settings)
+    backend = as_backend(engine)
+    ctx = ServerContext(backend, worker, ServerMetrics(backend.store, worker), settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

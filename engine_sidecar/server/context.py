@@ -1,21 +1,18 @@
-"""What every route needs: the engine, its worker, the metrics and the settings."""
+"""What every route needs: the engine backend, its worker, the metrics and the settings."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from engine_sidecar.server.backend import ServingBackend
 from engine_sidecar.server.metrics import ServerMetrics
 from engine_sidecar.server.settings import ServerSettings
 from engine_sidecar.server.worker import EngineWorker
 
-if TYPE_CHECKING:
-    from engine_sidecar.engine import Engine
-
 
 @dataclass
 class ServerContext:
-    engine: Engine
+    backend: ServingBackend
     worker: EngineWorker
     metrics: ServerMetrics
     settings: ServerSettings

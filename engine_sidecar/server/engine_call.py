@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from fastapi import Request
 
-from engine_sidecar.sequence import GenerationStream
+from engine_sidecar.server.backend import Event
 from engine_sidecar.server.context import ServerContext
 from engine_sidecar.server.errors import ApiError
 from engine_sidecar.server.tenancy import unscope_result
@@ -24,17 +24,7 @@ from engine_sidecar.server.worker import Job, QueueFull, WorkerStopped
 from ragcache_integrations.types import GenerationResult
 
 Outcome = Literal["running", "completed", "disconnected", "timeout", "error"]
-Event = Any  # a generation yields str deltas then a GenerationResult; warm yields counts
 _NOTHING = object()  # the work finished without yielding anything
-
-
-def stream_events(stream: GenerationStream) -> Iterator[Event]:
-    """A GenerationStream as one iterator: deltas, then the result (runs on the worker). Empty
-    deltas come through too, one per token, so the worker can stop a cancelled job between
-    any two tokens; `EngineCall.events` drops them."""
-    yield from stream.ticks()
-    assert stream.result is not None
-    yield stream.result
 
 
 class EngineCall:

@@ -12,8 +12,8 @@ from ragcache_integrations.types import GenerationResult
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from engine_sidecar.engine import Engine
     from engine_sidecar.server.worker import EngineWorker
+    from engine_sidecar.store.chunk_store import ChunkStore
 
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 # ragcache_store_redis_events' event label -> its StoreStats counter
@@ -23,8 +23,8 @@ _REDIS_EVENTS = {"hit": "hits_redis", "miss": "redis_misses", "corrupt": "redis_
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine, worker: EngineWorker):
-        self.engine, self.worker = engine, worker
+    def __init__(self, store: ChunkStore | None, worker: EngineWorker):
+        self.store, self.worker = store, worker  # no store: vLLM holds the chunk KV (--engine vllm)
         self.registry = r = CollectorRegistry()
         self.requests = Counter("ragcache_requests", "HTTP responses by route and status", ["route", "status"],
                                 registry=r)
@@ -54,8 +54,8 @@ class ServerMetrics:
                                     "skipped (not called: breaker open), write, write_dropped (write queue full)",
                                     ["event"], registry=r)
         self._redis_seen: dict[str, int] = {}
-        # no engine when only the OpenAPI schema is built (tests/test_server_schema_fuzz.py)
-        if engine is not None and engine.store.redis is not None:
+        # no store when only the OpenAPI schema is built (tests/test_server_schema_fuzz.py)
+        if store is not None and store.redis is not None:
             for event in _REDIS_EVENTS:
                 self.redis_events.labels(event)
         self.queue_depth = Gauge("ragcache_queue_depth", "Requests queued or running on the engine", registry=r)
@@ -82,7 +82,7 @@ class ServerMetrics:
     def render(self) -> bytes:
         """Call it off the event loop (it reads structures the engine thread changes)."""
         try:
-            store = self.engine.store.stats()
+            store = self.store.stats() if self.store is not None else None
         except OSError:  # a disk entry vanished mid-walk (eviction, clear): keep the last values
             store = None
         if store is not None:
@@ -95,7 +95,7 @@ class ServerMetrics:
                                  ("write_dropped", store.disk_writes_dropped)):
                 self.disk_events.labels(event).inc(max(0, count - self._disk_seen.get(event, 0)))
                 self._disk_seen[event] = count
-            if self.engine.store.redis is not None:
+            if self.store is not None and self.store.redis is not None:
                 for event, field in _REDIS_EVENTS.items():
                     count = getattr(store, field)
                     self.redis_events.labels(event).inc(max(0, count - self._redis_seen.get(event, 0)))

@@ -14,9 +14,11 @@ _ERRORS = {
     400: "Unreadable body (not UTF-8), empty question, tenant field and header disagree",
     401: "Missing or wrong API key (only with --api-key)",
     413: "Too many chunks, a chunk too long, body too large, or prompt + max_tokens over the context window",
-    422: "Schema violation: unknown field, wrong type, value out of range, malformed JSON, bad tenant",
+    422: "Schema violation: unknown field, wrong type, value out of range, malformed JSON, bad tenant, a policy "
+         "the engine cannot run (--engine vllm)",
     429: "Engine queue full; retry after the Retry-After header's seconds",
-    503: "Server shutting down",
+    501: "Not supported by this engine (deleting chunk KV with --engine vllm)",
+    503: "Server shutting down, or (--engine vllm) vLLM exited or did not answer",
     504: "Request timeout (--request-timeout) passed",
 }
 

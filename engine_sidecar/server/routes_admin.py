@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable
 from typing import Annotated, TypeVar
 
@@ -22,27 +21,10 @@ from ragcache_integrations.api_models import TENANT_HEADER, CacheStats, ClearRes
 T = TypeVar("T")
 
 
-def _read_racing(read: Callable[[], T], fallback: T, attempts: int = 3) -> T:
-    # Stats read structures the engine thread mutates (dicts, the disk folder) without a lock
-    # shared with us; a read that races a write raises, and simply reading again is enough.
-    for _ in range(attempts):
-        try:
-            return read()
-        except (RuntimeError, OSError):
-            continue
-    return fallback
-
-
 def admin_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
     authorized = [Depends(auth_dependency(ctx.settings))]
-    engine = ctx.engine
-
-    def cache_stats_now() -> CacheStats:
-        store = _read_racing(engine.store.stats, None)
-        return CacheStats(**(dataclasses.asdict(store) if store is not None else {}),
-                          conversations=_read_racing(lambda: len(engine.conversations), 0),
-                          cptree_nodes=_read_racing(engine.cptree.nodes, 0))
+    backend = ctx.backend
 
     async def off_loop(read: Callable[[], T]) -> T:
         # off the event loop (the disk tier is a folder walk) but not on the engine worker, so
@@ -57,10 +39,10 @@ def admin_router(ctx: ServerContext) -> APIRouter:
                 responses=error_responses(401, 504),
                 summary="Chunk store and planner counters (process-wide, all tenants)")
     async def cache_stats() -> CacheStats:
-        return await off_loop(cache_stats_now)
+        return await off_loop(backend.cache_stats)
 
     @router.delete("/v1/cache", response_model=ClearResponse, dependencies=authorized,
-                   responses=error_responses(400, 401, 422, 429, 503, 504),
+                   responses=error_responses(400, 401, 422, 429, 501, 503, 504),
                    summary="Delete cached chunk KV of the caller's tenant (one chunk id, or all of it), or, "
                            "with all_tenants=true, of every tenant")
     async def clear_cache(request: Request, header_tenant: TenantHeader,
@@ -75,15 +57,15 @@ def admin_router(ctx: ServerContext) -> APIRouter:
                            "all_tenants", "invalid_clear")
         target = scope_id(chunk_id, tenant) if chunk_id is not None else None
         scope = None if all_tenants else tenant
-        removed = await run_on_worker(ctx, request, "clear", lambda: engine.clear_cache(target, scope))
+        removed = await run_on_worker(ctx, request, "clear", lambda: backend.clear_cache(target, scope))
         return ClearResponse(removed=removed, chunk_id=chunk_id)
 
     @router.get("/health", response_model=HealthResponse, summary="Liveness, model and queue depth (no auth)")
     async def health() -> HealthResponse:
-        return HealthResponse(status="ok", model=engine.model_dir.name, model_path=str(engine.model_dir),
-                              context_window=engine.max_context, device=engine.runner.device.type,
-                              dtype=str(engine.runner.dtype).removeprefix("torch."), queue_depth=ctx.worker.depth,
-                              max_queue=ctx.worker.max_queue)
+        facts = backend.facts()  # --engine vllm: a 503 once vLLM has exited
+        return HealthResponse(status="ok", model=facts.model, model_path=facts.model_path,
+                              context_window=facts.context_window, device=facts.device, dtype=facts.dtype,
+                              queue_depth=ctx.worker.depth, max_queue=ctx.worker.max_queue)
 
     @router.get("/metrics", response_class=Response, summary="Prometheus metrics (no auth)",
                 responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends, Request
 
 from engine_sidecar.errors import RagCacheError
 from engine_sidecar.server.context import ServerContext
-from engine_sidecar.server.engine_call import EngineCall, stream_events
-from engine_sidecar.server.errors import engine_error_status, error_body
+from engine_sidecar.server.engine_call import EngineCall
+from engine_sidecar.server.errors import ApiError, engine_error_status, error_body
 from engine_sidecar.server.guards import (
     TenantHeader,
     auth_dependency,
@@ -35,7 +35,7 @@ from ragcache_integrations.types import GenerationResult
 
 def native_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter(dependencies=[Depends(auth_dependency(ctx.settings))], responses=error_responses(*ENGINE_ERRORS))
-    engine, settings = ctx.engine, ctx.settings
+    backend, settings = ctx.backend, ctx.settings
 
     @router.post("/v1/generate", response_model=GenerateResponse, responses=sse_responses(GENERATE_EVENT),
                  summary="Answer a chunk-structured prompt (JSON, or server-sent events with stream=true)")
@@ -43,6 +43,7 @@ def native_router(ctx: ServerContext) -> APIRouter:
                        header_tenant: TenantHeader):
         tenant = resolve_tenant(body.tenant, header_tenant)
         check_policy(body.policy)
+        backend.check_policy(body.policy)
         check_chunks(body.prompt.chunks, settings, "prompt.chunks")
         check_stops(body.sampling.stop, settings, "sampling.stop")
         sampling = cap_max_tokens(body.sampling, "max_tokens" in body.sampling.model_fields_set, settings,
@@ -50,7 +51,7 @@ def native_router(ctx: ServerContext) -> APIRouter:
         prompt = scope_prompt(body.prompt, tenant)
 
         def make() -> Iterator[str | GenerationResult]:
-            return stream_events(engine.stream(prompt, sampling, body.policy, tenant, body.order))
+            return backend.generate(prompt, sampling, body.policy, tenant, body.order)
 
         call = EngineCall(ctx, request, "generate", make, tenant)
         await call.start()
@@ -70,7 +71,7 @@ def native_router(ctx: ServerContext) -> APIRouter:
         def make() -> Iterator[int]:
             # one chunk at a time, so a disconnect or the deadline stops between chunks
             for chunk in chunks:
-                yield engine.warm([chunk], body.system, tenant)
+                yield backend.warm([chunk], body.system, tenant)
 
         if not chunks:
             return WarmResponse(chunks=0, computed=0)
@@ -95,6 +96,10 @@ async def _generate_events(call: EngineCall, timeout_s: float) -> AsyncIterator[
     except RagCacheError as exc:
         status = engine_error_status(exc)
         yield sse({"type": "error", "status": status, **error_body(status, str(exc))}, "error")
+        return
+    except ApiError as exc:  # --engine vllm: vLLM failed or exited mid-answer
+        yield sse({"type": "error", "status": exc.status, **error_body(exc.status, exc.message, None, exc.code)},
+                  "error")
         return
     except Exception:
         yield sse({"type": "error", "status": 500, **error_body(500, "internal error; the server log has the details")},

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 
 from engine_sidecar.errors import RagCacheError
 from engine_sidecar.server.context import ServerContext
-from engine_sidecar.server.engine_call import EngineCall, stream_events
+from engine_sidecar.server.engine_call import EngineCall
 from engine_sidecar.server.errors import ApiError, engine_error_status, error_body
 from engine_sidecar.server.guards import (
     TenantHeader,
@@ -72,6 +72,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
 def _chunked(ctx: ServerContext, body: ChatCompletionRequest, sampling: SamplingParams, tenant: str):
     assert body.chunks is not None
     check_policy(body.policy)
+    ctx.backend.check_policy(body.policy)
     check_chunks(body.chunks, ctx.settings)
     users = [m for m in body.messages if m.role == "user"]
     if not users:
@@ -82,7 +83,7 @@ def _chunked(ctx: ServerContext, body: ChatCompletionRequest, sampling: Sampling
                            conversation_id=body.conversation_id, **({"system": systems[0]} if systems else {}))
 
     def make() -> Iterator[str | GenerationResult]:
-        return stream_events(ctx.engine.stream(prompt, sampling, body.policy, tenant, body.order))
+        return ctx.backend.generate(prompt, sampling, body.policy, tenant, body.order)
 
     return make
 
@@ -92,7 +93,7 @@ def _plain(ctx: ServerContext, body: ChatCompletionRequest, sampling: SamplingPa
     messages = [{"role": "system" if m.is_system else m.role, "content": m.text} for m in body.messages]
 
     def make() -> Iterator[str | GenerationResult]:
-        return stream_events(ctx.engine.stream_chat(messages, sampling, tenant))
+        return ctx.backend.chat(messages, sampling, tenant)
 
     return make
 
@@ -120,6 +121,9 @@ async def _chat_events(call: EngineCall, completion_id: str, created: int, model
                     yield chunk(ChatDelta(content=event))
     except RagCacheError as exc:
         yield sse(error_body(engine_error_status(exc), str(exc)))
+        return
+    except ApiError as exc:  # --engine vllm: vLLM failed or exited mid-answer
+        yield sse(error_body(exc.status, exc.message, None, exc.code))
         return
     except Exception:
         yield sse(error_body(500, "internal error; the server log has the details"))

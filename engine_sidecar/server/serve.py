@@ -7,9 +7,11 @@ when the server actually starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine_sidecar.server.settings import ServerSettings
@@ -41,6 +43,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests before cancelling them (default 30)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--engine", choices=["ragcache", "vllm"], default="ragcache",
+                   help="ragcache (default): ragcache's own engine in this process; vllm: vLLM's OpenAI server as a "
+                        "child process with ragcache's KV connector, behind the same API (docs/deployment.md)")
+    g.add_argument("--vllm-python", type=Path, default=None,
+                   help="--engine vllm: the python of vLLM's virtualenv (default $RAGCACHE_VLLM_PYTHON, else "
+                        ".venv-vllm/bin/python; `make vllm-env` creates it)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="--engine vllm: vLLM's context window in tokens (default: the model's)")
+    g.add_argument("--vllm-log", type=Path, default=None,
+                   help="--engine vllm: vLLM's log file (default: vllm.log in a new ragcache-vllm-* temp folder)")
 
 
 def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSettings:
@@ -71,23 +84,38 @@ def serve(args: argparse.Namespace, make_engine: Callable[[argparse.Namespace], 
     import uvicorn
 
     from engine_sidecar.server.app import create_app
+    from engine_sidecar.server.backend import EngineBackend, ServingBackend
 
     settings = settings_from_args(args, "ragcache")  # flag errors before the model loads
-    engine = make_engine(args)
-    settings = ServerSettings(**{**settings.__dict__, "model_name": engine.model_dir.name})
-    close_once = _once(engine.close)
-    app = create_app(engine, settings, on_shutdown=close_once)
+    backend: ServingBackend
+    if getattr(args, "engine", "ragcache") == "vllm":
+        from engine_sidecar.server.vllm_launch import start_vllm_backend, vllm_banner
+
+        if args.max_model_len is not None and args.max_model_len < 1:
+            raise SystemExit("ragcache: error: --max-model-len must be at least 1")
+        vllm = start_vllm_backend(args, settings)
+        backend, describe = vllm, lambda address: vllm_banner(vllm, settings, address)
+    else:
+        engine = make_engine(args)
+        backend, describe = EngineBackend(engine), lambda address: banner(engine, settings, address)
+    close_once = _once(backend.close)  # the disk tier flushed, or the vLLM child stopped
+    try:
+        settings = dataclasses.replace(settings, model_name=backend.facts().model)
+    except BaseException:
+        close_once()
+        raise
+    app = create_app(backend, settings, on_shutdown=close_once)
 
     class AnnouncingServer(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)
             if self.started:  # printed once the socket is bound, with the real port (--port 0)
                 port = self.servers[0].sockets[0].getsockname()[1] if self.servers else args.port
-                print(banner(engine, settings, f"http://{args.host}:{port}"), flush=True)
+                print(describe(f"http://{args.host}:{port}"), flush=True)
 
     # On SIGTERM/SIGINT uvicorn stops accepting, waits up to --shutdown-grace for in-flight
     # requests, cancels the rest (their engine work stops at the next token), then runs the app's
-    # shutdown, which closes the engine and flushes the disk tier.
+    # shutdown, which closes the engine and flushes the disk tier (or stops the vLLM child).
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace, lifespan="on")
     try:
