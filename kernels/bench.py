@@ -3,8 +3,9 @@
     python -m ragcache_kernels.bench                       # SmolLM2 shapes, 2,048 keys
     python -m ragcache_kernels.bench --model llama8b --tokens 8192 --ratio 0.15
 
-On CUDA with triton installed every op is timed on both backends. On a CPU with AVX512-BF16 and
-bf16 (the default dtype here), ragcache's native CPU attention is timed beside the torch rows.
+On CUDA with triton installed every op is timed on both backends. On a CPU, ragcache's native CPU
+attention is timed beside the torch rows where it runs: bf16 (the default dtype here) on AVX512-BF16,
+fp32 (`--dtype float32`) on AVX2.
 Otherwise only the torch reference path is timed (the Triton interpreter exists for correctness, its speed means
 nothing), and the output says so. Results print as a table and are written as JSON.
 """
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             Row("selective_attention", name, shape, tokens, ms, tokens / (ms / 1e3), reference_attention / ms)
         )
 
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_native.available():
+    if device.type == "cpu" and dtype in cpu_native.KERNELS and cpu_native.available(dtype):
         rows += _native_rows(q, k, v, query_pos, key_pos, full_q[0].transpose(0, 1), reference_attention,
                              rows, args)
 
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
 def _native_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
                  full_q: torch.Tensor, reference_ms: float, rows: list[Row], args: argparse.Namespace) -> list[Row]:
-    """ragcache's native CPU attention (bf16, AVX512-BF16) beside the torch rows above: the same
+    """ragcache's native CPU attention (bf16 on AVX512-BF16, fp32 on AVX2) beside the torch rows above: the same
     scattered queries, every token causally (vs PyTorch's causal SDPA), and one decode step for 8
     sequences (vs one torch call per sequence, as the executor does without the kernel)."""
     cpu = torch.device("cpu")

@@ -1,12 +1,15 @@
-"""ragcache's own CPU attention (kernels/cpu_attention.c) for bf16 on AVX512-BF16 CPUs.
+"""ragcache's own CPU attention: bf16 on AVX512-BF16 CPUs (kernels/cpu_attention.c) and fp32 on
+AVX2 + FMA CPUs (kernels/cpu_attention_f32.c), the dtype the engine runs on CPUs without bf16
+dot products.
 
-The C source ships with the package and is compiled on first use with the system C compiler
+Each C source ships with the package and is compiled on first use with the system C compiler
 (`$CC`, default `gcc`; `-O3 -march=native -fopenmp`) into `$RAGCACHE_HOME/kernels/<digest>/`,
 keyed by the source, the flags and the CPU's flags, so another CPU builds its own copy. It is
-loaded with ctypes: no Python or torch headers are needed. Where it cannot run (not x86-64 Linux,
-no AVX512-BF16, no compiler, a failed build) every entry point returns None and the caller uses
-its torch path; the reason is logged once. `RAGCACHE_CPU_KERNELS=0` turns it off (A/B runs,
-tests of the torch path); `=1` makes a missing build an error instead of a silent fallback.
+loaded with ctypes: no Python or torch headers are needed. Where a kernel cannot run (not x86-64
+Linux, a CPU without its instructions, no compiler, a failed build) its entry points return None
+and the caller uses its torch path; the reason is logged once. `RAGCACHE_CPU_KERNELS=0` turns both
+off (A/B runs, tests of the torch path); `=1` makes a missing build an error instead of a silent
+fallback.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,12 +31,30 @@ import torch
 log = logging.getLogger("ragcache.kernels")
 
 ENV_VAR = "RAGCACHE_CPU_KERNELS"
-SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16")
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128)
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    """One native library: the dtype it serves, its source and the CPU flags it needs."""
+
+    dtype: torch.dtype
+    source: Path
+    cpu_flags: tuple[str, ...]
+    suffix: str  # of its entry points (rc_prefill_<suffix>, rc_decode_<suffix>) and its file name
+
+
+KERNELS = {
+    torch.bfloat16: NativeKernel(torch.bfloat16, Path(__file__).with_name("cpu_attention.c"),
+                                 ("avx512f", "avx512_bf16"), "bf16"),
+    torch.float32: NativeKernel(torch.float32, Path(__file__).with_name("cpu_attention_f32.c"), ("avx2", "fma"),
+                                "f32"),
+}
+SOURCE = KERNELS[torch.bfloat16].source
+REQUIRED_CPU_FLAGS = KERNELS[torch.bfloat16].cpu_flags
 
 
 def _mode() -> str:
@@ -55,10 +77,10 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build_dir(compiler: str) -> Path:
+def _build_dir(compiler: str, kernel: NativeKernel) -> Path:
     home = Path(os.environ.get("RAGCACHE_HOME", Path.home() / ".cache" / "ragcache")).expanduser()
     digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
+    digest.update(kernel.source.read_bytes())
     digest.update(" ".join((compiler, *FLAGS)).encode())
     digest.update(" ".join(sorted(_cpu_flags())).encode())
     return home / "kernels" / digest.hexdigest()[:16]
@@ -68,12 +90,13 @@ class BuildError(RuntimeError):
     pass
 
 
-def unsupported_reason(compiler: str | None = None) -> str | None:
-    """Why this machine cannot have the kernel at all (platform, CPU, no compiler); None if it
-    can, in which case a failing build is a bug, not a reason."""
+def unsupported_reason(compiler: str | None = None, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why this machine cannot have the `dtype` kernel at all (platform, CPU, no compiler); None if
+    it can, in which case a failing build is a bug, not a reason."""
+    kernel = KERNELS[dtype]
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"the native CPU kernels are for x86-64 Linux, not {platform.system()} {platform.machine()}"
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in kernel.cpu_flags if f not in _cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     if shutil.which(compiler or os.environ.get("CC", "gcc")) is None:
@@ -81,19 +104,20 @@ def unsupported_reason(compiler: str | None = None) -> str | None:
     return None
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the library if this CPU and compiler have no copy yet; its path."""
-    if (reason := unsupported_reason(compiler)) is not None:
+def build(compiler: str | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Compile the `dtype` library if this CPU and compiler have no copy yet; its path."""
+    if (reason := unsupported_reason(compiler, dtype)) is not None:
         raise BuildError(reason)
+    kernel = KERNELS[dtype]
     cc = shutil.which(compiler or os.environ.get("CC", "gcc"))
     assert cc is not None
-    target = _build_dir(cc) / "libragcache_cpu_attention.so"
+    target = _build_dir(cc, kernel) / f"libragcache_cpu_attention_{kernel.suffix}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+        done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(kernel.source), "-lm"],
                               capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise BuildError(f"{Path(cc).name} failed: {done.stderr.strip()[-400:]}")
@@ -102,38 +126,41 @@ def build(compiler: str | None = None) -> Path:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
+    suffix = KERNELS[dtype].suffix
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(dtype=dtype)))
     except (BuildError, OSError) as exc:
-        log.info("native CPU attention unavailable (%s); using torch's", exc)
+        log.info("native CPU attention (%s) unavailable (%s); using torch's", suffix, exc)
         return None
-    lib.rc_prefill_bf16.restype = ctypes.c_int
-    lib.rc_prefill_bf16.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
-                                    _I64, ctypes.c_float, ctypes.c_int]
-    lib.rc_decode_bf16.restype = ctypes.c_int
-    lib.rc_decode_bf16.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR,
-                                   ctypes.c_int]
+    prefill = getattr(lib, f"rc_prefill_{suffix}")
+    prefill.restype = ctypes.c_int
+    prefill.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
+                        ctypes.c_float, ctypes.c_int]
+    decode = getattr(lib, f"rc_decode_{suffix}")
+    decode.restype = ctypes.c_int
+    decode.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, ctypes.c_int]
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded library, or None where it is off or cannot run here."""
+def library(dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
+    """The loaded `dtype` library, or None where it is off, has no kernel for that dtype, or cannot
+    run here."""
     mode = _mode()
-    if mode == "off":
+    if mode == "off" or dtype not in KERNELS:
         return None
-    lib = _library()
+    lib = _library(dtype)
     if lib is None and mode == "on":
-        build()  # raises with the reason
+        build(dtype=dtype)  # raises with the reason
     return lib
 
 
-def available() -> bool:
-    return library() is not None
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    return library(dtype) is not None
 
 
-def _usable(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.stride(-1) == 1
+def _usable(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor,
@@ -142,19 +169,22 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_p
     own; key positions must ascend. None where the kernel does not apply (the caller falls back)."""
     tq, heads, dim = q.shape
     tk, kv_heads = k.shape[0], k.shape[1]
-    if not (_usable(q) and _usable(k) and _usable(v)) or dim not in SUPPORTED_HEAD_DIMS or tq == 0 or tk == 0:
+    dtype = q.dtype
+    if dtype not in KERNELS or dim not in SUPPORTED_HEAD_DIMS or tq == 0 or tk == 0:
+        return None
+    if not (_usable(q, dtype) and _usable(k, dtype) and _usable(v, dtype)):
         return None
     if q.stride(1) != dim or k.stride(1) != dim or v.stride(1) != dim or heads % kv_heads:
         return None
-    lib = library()
+    lib = library(dtype)
     if lib is None:
         return None
     qpos = query_pos.to(torch.int64).contiguous()
     kpos = key_pos.to(torch.int64).contiguous()
     out = torch.empty(tq, heads, dim, dtype=q.dtype)
-    rc = lib.rc_prefill_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                             out.data_ptr(), qpos.data_ptr(), kpos.data_ptr(), tq, tk, heads, kv_heads, dim,
-                             dim**-0.5, torch.get_num_threads())
+    prefill = getattr(lib, f"rc_prefill_{KERNELS[dtype].suffix}")
+    rc = prefill(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
+                 qpos.data_ptr(), kpos.data_ptr(), tq, tk, heads, kv_heads, dim, dim**-0.5, torch.get_num_threads())
     return out if rc == 0 else None
 
 
@@ -162,24 +192,28 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
     """One new token per sequence: q [B, H, D]; keys[b]/values[b] [n_b, Hkv, D] (every key visible,
     rows of one stride for all). Returns [B, H * D], or None where the kernel does not apply."""
     batch, heads, dim = q.shape
-    if not keys or dim not in SUPPORTED_HEAD_DIMS or not _usable(q) or not q.is_contiguous():
+    dtype = q.dtype
+    if not keys or dtype not in KERNELS or dim not in SUPPORTED_HEAD_DIMS or not _usable(q, dtype):
+        return None
+    if not q.is_contiguous():
         return None
     row_stride = keys[0].stride(0)
     for k, v in zip(keys, values, strict=True):
-        if not (_usable(k) and _usable(v)) or k.stride(0) != row_stride or v.stride(0) != row_stride:
+        if not (_usable(k, dtype) and _usable(v, dtype)) or k.stride(0) != row_stride or v.stride(0) != row_stride:
             return None
         if k.stride(1) != dim or v.stride(1) != dim or k.shape[0] == 0:
             return None
     kv_heads = keys[0].shape[1]
     if heads % kv_heads or heads // kv_heads > 16:
         return None
-    lib = library()
+    lib = library(dtype)
     if lib is None:
         return None
     kptr = torch.tensor([k.data_ptr() for k in keys], dtype=torch.int64)
     vptr = torch.tensor([v.data_ptr() for v in values], dtype=torch.int64)
     lens = torch.tensor([k.shape[0] for k in keys], dtype=torch.int64)
     out = torch.empty(batch, heads * dim, dtype=q.dtype)
-    rc = lib.rc_decode_bf16(q.data_ptr(), kptr.data_ptr(), vptr.data_ptr(), lens.data_ptr(), batch, heads, kv_heads,
-                            dim, row_stride, dim**-0.5, out.data_ptr(), torch.get_num_threads())
+    decode = getattr(lib, f"rc_decode_{KERNELS[dtype].suffix}")
+    rc = decode(q.data_ptr(), kptr.data_ptr(), vptr.data_ptr(), lens.data_ptr(), batch, heads, kv_heads, dim,
+                row_stride, dim**-0.5, out.data_ptr(), torch.get_num_threads())
     return out if rc == 0 else None

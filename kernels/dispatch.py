@@ -120,9 +120,9 @@ def selective_attention(
 
 def _native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor,
                     key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor | None:
-    """ragcache's own CPU kernel (bf16 on AVX512-BF16) where it applies: no sliding window, key
-    positions ascending (the fused prefill's layout); None sends the call to torch."""
-    if q.dtype != torch.bfloat16 or sliding_window is not None:
+    """ragcache's own CPU kernel (bf16 on AVX512-BF16, fp32 on AVX2) where it applies: no sliding
+    window, key positions ascending (the fused prefill's layout); None sends the call to torch."""
+    if q.dtype not in _cpu_native.KERNELS or sliding_window is not None:
         return None
     if key_pos.shape[0] > 1 and not bool((key_pos[1:] >= key_pos[:-1]).all()):
         return None
@@ -134,7 +134,7 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
     """One new query per sequence, q [B, H, D], over that sequence's keys/values [n_b, Hkv, D]
     (all visible) -> [B, H * D] from ragcache's native CPU kernel, or None: the caller then runs
     its per-sequence torch path. Only "auto" uses the native kernel ("torch" forces the reference)."""
-    if _requested(backend) != "auto" or q.device.type != "cpu" or q.dtype != torch.bfloat16:
+    if _requested(backend) != "auto" or q.device.type != "cpu" or q.dtype not in _cpu_native.KERNELS:
         return None
     return _cpu_native.decode_attention(q, keys, values)
 

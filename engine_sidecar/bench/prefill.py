@@ -104,7 +104,7 @@ class EngineSystem:
 
 class EngineSdpaSystem(EngineSystem):
     """The engine with PyTorch's SDPA for attention instead of ragcache's native CPU kernel (where
-    that kernel runs: bf16 on AVX512-BF16), to show what the kernel changes in the same run."""
+    that kernel runs: bf16 on AVX512-BF16, fp32 on AVX2), to show what the kernel changes in the same run."""
 
     name = "engine-sdpa"
 

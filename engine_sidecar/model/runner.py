@@ -90,8 +90,8 @@ class ModelRunner:
         config = load_config(path)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        if dev.type == "cpu" and dt == torch.bfloat16:
-            cpu_native.library()  # built now (seconds, once per CPU), not on the first request's clock
+        if dev.type == "cpu":
+            cpu_native.library(dt)  # built now (seconds, once per CPU), not on the first request's clock
         return cls(config, load_weights(path, config, dt, dev), dt, dev)
 
     @property
