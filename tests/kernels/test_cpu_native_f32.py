@@ -120,6 +120,10 @@ def test_dispatch_routes_fp32_cpu_attention_to_the_kernel_and_falls_back_where_i
     assert torch.equal(dispatch.selective_attention(q, k, v, query_pos, key_pos, sliding_window=16),
                        selective_attention(q, k, v, query_pos, key_pos, 16))
     assert cpu_native.prefill_attention(q.double(), k.double(), v.double(), query_pos, key_pos) is None
+    # a dense causal fp32 prefill stays on PyTorch's flash SDPA (as fast or faster there)
+    qd, kd, vd, _ = _inputs(90, 90, 4, 2, 64, seed=6)
+    assert torch.equal(dispatch.selective_attention(qd, kd, vd, key_pos, key_pos, dense_causal=True),
+                       selective_attention(qd, kd, vd, key_pos, key_pos, dense_causal=True))
     assert dispatch.decode_attention(q[:2].contiguous(), [k, k], [v, v]) is not None
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
     assert torch.equal(dispatch.selective_attention(q, k, v, query_pos, key_pos),
