@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "vllm-apc", "vllm-apc+reorder"]),
                     help="comma list of full, prefix, prefix+reorder, fusion, fusion+reorder, fusion+hits-first, "
                          "fusion+misses-first, vllm-apc, vllm-apc+reorder, vllm+ragcache (vLLM with ragcache's "
-                         "KV connector, chunks sent before first; docs/deployment.md)")
+                         "KV connector, chunks sent before first; docs/deployment.md), vllm+ragcache-all (the "
+                         "connector supplies every chunk, new ones first and computed in place by ragcache)")
     wl.add_argument("--vllm-python", type=Path, default=None,
                     help="python of the vLLM virtualenv (default: .venv-vllm/bin/python or $RAGCACHE_VLLM_PYTHON)")
     wl.add_argument("--json", type=Path, default=None)

@@ -112,6 +112,22 @@ def test_chunks_in_another_order_are_hits_supplied_by_the_connector(sidecar):
     assert cache["hits_ram"] >= 3 and cache["ram_capacity_bytes"] == 1 << 29
 
 
+def test_misses_first_lets_ragcache_supply_every_chunk(sidecar, smol_dir):
+    """order=misses-first: the connector supplies every chunk (new ones computed in place by
+    ragcache), vLLM computes only the question; chunks seen before are fused after them."""
+    body = {"prompt": prompt(["bread", "lyon"], "Which rivers meet in Lyon?"), "sampling": {"max_tokens": 8},
+            "order": "misses-first", "policy": "cacheblend"}
+    cold = generate(sidecar, body, tenant="all")["stats"]
+    assert cold["chunk_hits"] == 0 and cold["chunk_misses"] == 2
+    supplied = [int(m.group(1)) for note in cold["notes"] if (m := re.search(r"ragcache supplied (\d+)", note))]
+    assert supplied and supplied[0] >= 128, cold["notes"]  # nothing stored, yet supplied
+    mixed = generate(sidecar, {**body, "prompt": prompt(["moon", "bread", "lyon"], "When was the far side seen?")},
+                     tenant="all")["stats"]
+    assert mixed["chunk_hits"] == 2 and mixed["chunk_misses"] == 1
+    # vLLM computed the question and what follows the last whole block of chunks, nothing more
+    assert cold["tokens_computed_fresh"] < 160 and mixed["tokens_computed_fresh"] < 160
+
+
 def test_two_tenants_never_share(sidecar):
     body = {"prompt": prompt(["moon", "bread", "lyon"], "Who photographed the far side?"), "sampling": {"max_tokens": 2}}
     assert generate(sidecar, body, tenant="team-a")["stats"]["chunk_hits"] == 0

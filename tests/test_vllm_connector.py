@@ -18,6 +18,7 @@ import pytest
 from engine_sidecar.bench.vllm_peer import find_vllm_python
 from engine_sidecar.vllm_backend.params import (
     PARAMS_KEY,
+    chunks_end,
     claimable_tokens,
     connector_params,
     leading_resident_end,
@@ -44,6 +45,18 @@ def test_the_claim_ends_with_the_leading_run_of_stored_chunks():
     assert leading_resident_end(segments, {"b", "c"}) == 0  # the template prefix alone is not claimed
     assert leading_resident_end(segments, {"a", "b", "c", "q"}) == 320  # never the question
     assert claimable_tokens(350, 0, 128, limit=320) == 256
+
+
+def test_supply_all_claims_every_chunk_stored_or_not():
+    segments = [("prefix", "p", 20), ("chunk", "a", 100), ("chunk", "b", 100), ("chunk", "c", 100),
+                ("question", "q", 30)]
+    assert chunks_end(segments) == 320  # whatever is stored; never the question
+    assert chunks_end([("prefix", "p", 20), ("question", "q", 30)]) == 0
+    prompt = ChunkedPrompt(chunks=[Chunk(text="a passage", id="p1")], question="q?")
+    assert connector_params(request_params(prompt, supply="all")).supply == "all"
+    assert connector_params(request_params(prompt)).supply == "hits"
+    with pytest.raises(ValueError):
+        connector_params({PARAMS_KEY: {"prompt": prompt.model_dump(), "supply": "some"}})
 
 
 def test_slot_mapping_follows_the_block_table():
@@ -137,3 +150,18 @@ def test_requests_without_ragcache_params_are_plain_vllm(vllm_run):
 def test_an_unsupported_vllm_version_is_one_clear_error(vllm_run):
     assert "supports vLLM 0.32.x" in vllm_run["version_error"]
     assert "make vllm-env" in vllm_run["version_error"]
+
+
+@pytest.mark.slow
+def test_supply_all_computes_new_chunks_in_ragcache_and_leaves_vllm_the_question(vllm_run):
+    cold, again = vllm_run["all_cold"], vllm_run["all_again"]
+    stats = cold["stats"]
+    # nothing stored for this tenant: ragcache computed every chunk in place and supplied them
+    assert stats["chunk_hits"] == 0 and stats["supplied_tokens"] == cold["cached"] > 0
+    assert cold["prompt_tokens"] - cold["cached"] < vllm_run["block_size"]
+    assert stats["ragcache_token_layers"] >= stats["supplied_tokens"] * stats["layers"]
+    # computed in place as full prefill computes them: the answer is native vLLM's
+    assert cold["tokens"] == vllm_run["native"]["tokens"]
+    # the next request with the same chunks in another order: all three are hits, fused
+    assert again["stats"]["chunk_hits"] == 3 and again["cached"] == again["stats"]["supplied_tokens"] > 0
+    assert again["stats"]["ragcache_token_layers"] < 0.5 * again["stats"]["supplied_tokens"] * again["stats"]["layers"]

@@ -42,11 +42,14 @@ from engine_sidecar.vllm_backend.params import connector_config, request_params
 from ragcache_integrations.types import Chunk, ChunkedPrompt
 
 ALL_SYSTEMS = ["full", "prefix", "prefix+reorder", "fusion", "fusion+reorder", "fusion+hits-first",
-               "fusion+misses-first", "vllm-apc", "vllm-apc+reorder", "vllm+ragcache"]
-# vLLM with ragcache's KV connector (engine_sidecar/vllm_backend), the fusion policy in the connector;
-# the client puts the chunks it has sent before first (hits first by its own record: the connector
-# supplies only the leading run of stored chunks)
-CONNECTOR_SYSTEM = "vllm+ragcache"
+               "fusion+misses-first", "vllm-apc", "vllm-apc+reorder", "vllm+ragcache", "vllm+ragcache-all"]
+# vLLM with ragcache's KV connector (engine_sidecar/vllm_backend), the fusion policy in the
+# connector, each system its own ragcache tenant. vllm+ragcache (supply="hits"): the client puts the
+# chunks it has sent before first, and the connector supplies the leading run of stored chunks.
+# vllm+ragcache-all (supply="all"): the client puts the new chunks first and the connector supplies
+# every chunk, computing the new ones in place (fusion+misses-first inside vLLM); vLLM computes
+# the question and decodes.
+CONNECTOR_SYSTEMS = {"vllm+ragcache": "hits", "vllm+ragcache-all": "all"}
 
 
 @dataclass
@@ -133,7 +136,7 @@ def run_workload(args: argparse.Namespace) -> int:
             # the engine's do (measured on these 2 cores: no slower for vLLM itself).
             stats_path = None
             connector = None
-            if CONNECTOR_SYSTEM in vllm_systems:
+            if any(system in CONNECTOR_SYSTEMS for system in vllm_systems):
                 stats_path = log_path.with_suffix(".ragcache-stats.jsonl")
                 stats_path.unlink(missing_ok=True)
                 connector = connector_config(args.ram_cache_gb, str(stats_path.resolve()))
@@ -181,7 +184,8 @@ class VllmReplay:
         self.max_tokens = max_tokens
         self.connector_policy, self.stats_path = connector_policy, stats_path
         self.stats_read = 0  # lines of the connector's stats file consumed
-        self.sent: set[str] = set()  # chunk ids the connector system has sent (its hits-first order)
+        # chunk ids each connector system has sent (its hits-first or misses-first order)
+        self.sent: dict[str, set[str]] = {system: set() for system in CONNECTOR_SYSTEMS}
         self.eos = {builder.tokenizer.eos_token_id, builder.tokenizer.convert_tokens_to_ids("<|im_end|>")}
         self.tables = {s: ChunkAccessTable() for s in systems}
         self.conversations: dict[tuple[str, str], tuple[list[int], set[str]]] = {}
@@ -193,10 +197,12 @@ class VllmReplay:
             self.tables[system].record([c.id or "" for c in prompt.chunks])
             if system.endswith("+reorder"):
                 prompt = prompt.model_copy(update={"chunks": self.tables[system].sort(prompt.chunks, lambda c: c.id)})
-            elif system == CONNECTOR_SYSTEM:
-                sent = self.sent
-                chunks = [c for c in prompt.chunks if c.id in sent] + [c for c in prompt.chunks if c.id not in sent]
+            elif system in CONNECTOR_SYSTEMS:
+                sent = self.sent[system]
+                old = [c for c in prompt.chunks if c.id in sent]
+                new = [c for c in prompt.chunks if c.id not in sent]
                 sent.update(c.id or "" for c in prompt.chunks)
+                chunks = new + old if CONNECTOR_SYSTEMS[system] == "all" else old + new
                 prompt = prompt.model_copy(update={"chunks": chunks})
             key = (system, prompt.conversation_id or "")
             history = self.conversations.get(key) if prompt.conversation_id else None
@@ -210,8 +216,8 @@ class VllmReplay:
             chunk_segs = [s for s in assembled.segments if s.kind == "chunk"]
             # the connector supplies KV for ragcache's own layout; a follow-up turn (history + new
             # turn) is not one, and goes to vLLM as a plain request (its prefix cache holds the history)
-            params = (request_params(prompt, self.connector_policy)
-                      if system == CONNECTOR_SYSTEM and history is None else None)
+            params = (request_params(prompt, self.connector_policy, system.replace("+", "-"), CONNECTOR_SYSTEMS[system])
+                      if system in CONNECTOR_SYSTEMS and history is None else None)
             response = self.server.complete(ids, self.max_tokens, system, params)
             answer = [t for t in response.token_ids if t not in self.eos]
             if prompt.conversation_id:

@@ -71,7 +71,10 @@ class VllmBackend:
                  order: str) -> Iterator[Event]:
         t0 = time.perf_counter()
         laid = self.layout.lay_out(self.layout.arrange(prompt, tenant, order), tenant)
-        params = request_params(laid.prompt, policy, tenant) if laid.prompt is not None else None
+        # misses-first puts the new chunks where no leading run of stored ones could start: the
+        # connector then supplies every chunk, computing the new ones in place (supply="all")
+        supply = "all" if order == "misses-first" else "hits"
+        params = request_params(laid.prompt, policy, tenant, supply) if laid.prompt is not None else None
         return self._complete(laid, sampling, params, policy, t0)
 
     def chat(self, messages: list[dict[str, str]], sampling: SamplingParams, tenant: str) -> Iterator[Event]:

@@ -9,9 +9,10 @@ likely stored first, e.g. the CA-Table's order, so misses come after the hits).
 
 Scheduler side: for a request with ragcache params whose prompt is exactly ragcache's layout,
 the whole blocks up to the end of its leading run of stored chunks are claimed as external KV
-(beyond vLLM's own prefix-cache hit). Which chunks are stored, the scheduler learns from the
-workers (worker metadata after each step); a chunk gone since is computed in place by ragcache,
-so residency only decides speed, never correctness.
+(beyond vLLM's own prefix-cache hit); with `supply="all"`, up to the end of its last chunk, stored
+or not (ragcache computes the new ones in place, as its own engine does). Which chunks are
+stored, the scheduler learns from the workers (worker metadata after each step); a chunk gone
+since is computed in place by ragcache, so residency only decides speed, never correctness.
 Worker side: before the forward pass, ragcache plans the prompt and computes the leading spans
 (its stored chunks fused by the policy) and the claimed rows are written into vLLM's paged cache
 with vLLM's own cache-write op; vLLM computes the misses and the question in context. When the
@@ -44,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from engine_sidecar.fingerprint import token_ids_digest
 from engine_sidecar.vllm_backend.params import (
     ConnectorParams,
+    chunks_end,
     claimable_tokens,
     connector_params,
     leading_resident_end,
@@ -218,7 +220,9 @@ class RagcacheConnector(KVConnectorBase_V1):
             return 0, False
         self._tracked[request.request_id] = _Tracked(dict(request.kv_transfer_params or {}), ids)
         described = [(s.kind, residency_key(params.tenant, s.token_ids), len(s.token_ids)) for s in segments]
-        limit = leading_resident_end(described, self._resident)
+        # supply="all": every chunk, new ones computed in place by ragcache (the client puts them
+        # first); vLLM then computes the question alone
+        limit = chunks_end(described) if params.supply == "all" else leading_resident_end(described, self._resident)
         return claimable_tokens(len(ids), num_computed_tokens, self.block_size, limit), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:

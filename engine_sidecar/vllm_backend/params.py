@@ -6,7 +6,7 @@ connector checks, and supplies nothing for a prompt that differs)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +24,10 @@ class ConnectorParams(BaseModel):
     prompt: ChunkedPrompt
     policy: str = Field("cacheblend", description="ragcache fusion policy for the supplied KV")
     tenant: str = Field("", description="ragcache tenant; map it to vLLM's cache_salt as well")
+    supply: Literal["hits", "all"] = Field(
+        "hits", description="hits: ragcache supplies the leading run of chunks it holds, vLLM computes from the first "
+                            "new chunk on; all: ragcache supplies every chunk, computing new ones in place (put them "
+                            "first), and vLLM computes only the question")
 
 
 def connector_params(kv_transfer_params: dict[str, Any] | None) -> ConnectorParams | None:
@@ -33,9 +37,11 @@ def connector_params(kv_transfer_params: dict[str, Any] | None) -> ConnectorPara
     return ConnectorParams.model_validate(kv_transfer_params[PARAMS_KEY])
 
 
-def request_params(prompt: ChunkedPrompt, policy: str = "cacheblend", tenant: str = "") -> dict[str, Any]:
+def request_params(prompt: ChunkedPrompt, policy: str = "cacheblend", tenant: str = "",
+                   supply: Literal["hits", "all"] = "hits") -> dict[str, Any]:
     """The `kv_transfer_params` value a client sends with the prompt's token ids."""
-    return {PARAMS_KEY: ConnectorParams(prompt=prompt, policy=policy, tenant=tenant).model_dump(mode="json")}
+    params = ConnectorParams(prompt=prompt, policy=policy, tenant=tenant, supply=supply)
+    return {PARAMS_KEY: params.model_dump(mode="json")}
 
 
 def claimable_tokens(prompt_tokens: int, computed_tokens: int, block_size: int, limit: int | None = None) -> int:
@@ -59,6 +65,17 @@ def leading_resident_end(segments: list[tuple[str, str, int]], resident: set[str
         if kind != "chunk" or key not in resident:
             break
         end = position
+    return end
+
+
+def chunks_end(segments: list[tuple[str, str, int]]) -> int:
+    """End position of the prompt's last chunk (`segments` as for `leading_resident_end`): what
+    `supply="all"` claims up to, stored or not; 0 without chunks."""
+    end = position = 0
+    for kind, _, length in segments:
+        position += length
+        if kind == "chunk":
+            end = position
     return end
 
 

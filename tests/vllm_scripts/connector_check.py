@@ -71,9 +71,9 @@ def main() -> None:
     def prompt(order: list[str], question: str) -> ChunkedPrompt:
         return ChunkedPrompt(chunks=[Chunk(text=texts[c], id=c) for c in order], question=question)
 
-    def run(p: ChunkedPrompt, salt: str, policy: str | None, tenant: str = "") -> dict:
+    def run(p: ChunkedPrompt, salt: str, policy: str | None, tenant: str = "", supply: str = "hits") -> dict:
         ids = builder.build(p).token_ids
-        extra = {"kv_transfer_params": request_params(p, policy, tenant)} if policy else None
+        extra = {"kv_transfer_params": request_params(p, policy, tenant, supply)} if policy else None
         sampling = SamplingParams(max_tokens=12, temperature=0.0, extra_args=extra)
         before = len(records.rows)
         out = llm.generate({"prompt_token_ids": ids, "cache_salt": salt}, sampling, use_tqdm=False)[0]
@@ -95,6 +95,10 @@ def main() -> None:
         "tenant_a_again": run(again, "tenant-a2", "cacheblend", "team-a"),
         "tenant_b": run(again, "tenant-b", "cacheblend", "team-b"),
         "no_params": run(first, "plain", None),
+        # supply="all": nothing stored for this tenant, yet ragcache supplies every chunk (computed
+        # in place) and vLLM computes only the question; then the same chunks again, fused
+        "all_cold": run(first, "all-cold", "cacheblend", "team-all", "all"),
+        "all_again": run(again, "all-again", "cacheblend", "team-all", "all"),
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
         "layout": layout_roundtrip(),
     }
