@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine_sidecar.executor import _decode_attention, decode_batch, fused_prefill
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.plan import FusionPlan, PlanSpan
 from engine_sidecar.policies import FullPolicy
 from ragcache_kernels import cpu_native, dispatch
-from ragcache_kernels.attention import position_mask, selective_attention
+from ragcache_kernels.attention import selective_attention
 from tests.conftest import make_tiny_model
+from tests.kernels.kernel_cases import dense_attention
 
 REASON = cpu_native.unsupported_reason(dtype=torch.float32)
 # skipped only where the machine cannot have the kernel; where it can, a broken build fails here
@@ -31,11 +31,7 @@ def test_the_fp32_kernel_builds_and_loads_here():
 
 
 def _reference(q, k, v, query_pos, key_pos):
-    mask = position_mask(query_pos, key_pos)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None].double(), k.transpose(0, 1)[None].double(),
-                                         v.transpose(0, 1)[None].double(), attn_mask=mask,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1).float()
+    return dense_attention(q, k, v, query_pos, key_pos)[0].float()
 
 
 def _inputs(tq, tk, heads, kv_heads, dim, seed):
