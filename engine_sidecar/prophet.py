@@ -31,7 +31,6 @@ import torch
 
 from engine_sidecar.plan import FusionPlan
 from ragcache_kernels.attention import position_mask
-from ragcache_kernels.dispatch import selective_attention
 from ragcache_kernels.rope import apply_rope
 
 if TYPE_CHECKING:
@@ -47,24 +46,57 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, 
     restricted to the fused keys and rescaled to sum to 1 there (a head with no mass on fused
     keys contributes nothing); heads are then averaged, so the result sums to 1 over the fused
     keys (0 elsewhere) unless no head sees a fused key."""
+    probs = _grouped_probs(q, k, query_pos, key_pos, sliding_window)
+    return _fused_scores(probs, q.shape[1] // k.shape[1], None, fused)
+
+
+def probe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor,
+                    key_pos: torch.Tensor, readers: torch.Tensor, fused: torch.Tensor,
+                    sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [n] as `attention_scores` of the `readers` rows, attention output [C, H, D] in q's
+    dtype) of the probed tokens q [C, H, D] over k/v [n, Hkv, D], from one fp32 softmax.
+
+    The probe needs both from every layer; a separate attention call repacked all n keys per
+    layer for ~30 queries and cost as much as the scores themselves."""
+    probs = _grouped_probs(q, k, query_pos, key_pos, sliding_window)  # [Hkv, group x C, n]
+    kv_heads = probs.shape[0]
+    group = q.shape[1] // kv_heads
+    out = torch.bmm(probs, v.transpose(0, 1).float())  # [Hkv, group x C, D]
+    out = out.view(kv_heads, group, q.shape[0], -1).permute(2, 0, 1, 3).reshape(q.shape)
+    return _fused_scores(probs, group, readers, fused), out.to(q.dtype)
+
+
+def _grouped_probs(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
+                   sliding_window: int | None) -> torch.Tensor:
+    """fp32 softmax [Hkv, group x R, n] of q [R, H, D] over k [n, Hkv, D]; row g x R + r is query
+    head kv x group + g of reader r (repeat_interleave's order). Masked-out keys get 0."""
     readers, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
     # grouped-query attention without repeating the keys: the query heads of one KV head are one
     # batched matmul [Hkv, group x R, D] x [Hkv, D, n] (repeating fp32 keys per query head was
-    # half the score's time); the same fp32 products, so the same scores
+    # half the score's time)
     qg = q.float().view(readers, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * readers, dim)
-    logits = torch.matmul(qg, k.float().permute(1, 2, 0)).mul_(1.0 / math.sqrt(dim))
+    logits = torch.matmul(qg, k.permute(1, 2, 0).float()).mul_(1.0 / math.sqrt(dim))
     hidden = ~position_mask(query_pos, key_pos, sliding_window)  # [R, n]
     # only the keys from the first one some reader may not see are masked (the question's own
     # tokens, at the end): a broadcast masked_fill over all keys cost as much as the matmul
     some = hidden.any(dim=0)
     first = int(some.int().argmax()) if bool(some.any()) else hidden.shape[1]
     logits[:, :, first:].masked_fill_(hidden[:, first:].repeat(group, 1), float("-inf"))  # rows (g, r) as in qg
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # [Hkv, group x R, n]
+    return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+
+
+def _fused_scores(probs: torch.Tensor, group: int, readers: torch.Tensor | None, fused: torch.Tensor) -> torch.Tensor:
+    """[n] from probs [Hkv, group x R, n]: the rows of `readers` (bool [R]; all when None) averaged
+    per head, restricted to the fused keys and rescaled to sum to 1 there (a head with no mass on
+    fused keys contributes nothing), then averaged over heads."""
+    kv_heads, rows, n = probs.shape
+    per_row = probs.view(kv_heads, group, rows // group, n)
+    if readers is not None:
+        per_row = per_row[:, :, readers.to(probs.device)]
     # head h = kv head h // group, member h % group (repeat_interleave's order)
-    per_head = probs.view(kv_heads, group, readers, -1).mean(dim=2).reshape(heads, -1)
-    per_head = per_head * fused.to(probs.device)  # [H, n]
+    per_head = per_row.mean(dim=2).reshape(kv_heads * group, n) * fused.to(probs.device)  # [H, n]
     total = per_head.sum(dim=1, keepdim=True)
     per_head = torch.where(total > 0, per_head / total.clamp_min(1e-30), per_head)
     return per_head.mean(dim=0)
@@ -176,16 +208,20 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
                     values[span.start : span.end] = span.cached.values[layer]
             keys[computed], values[computed] = qkv.k, qkv.v
             rotated = apply_rope(keys, cos, sin)
-        scores += attention_scores(q[readers], rotated, pos_c[readers], positions, fused_d,
-                                   c.sliding_window).cpu()
-        if layer + 1 < depth:
-            attn = selective_attention(q, rotated, values, pos_c, positions, c.sliding_window)
-            hidden = mlp(runner, layer, runner.attn_out(layer, hidden, attn.reshape(attn.shape[0], -1)))
-        elif finish_last:
-            # of the last layer only the last token's output is read (its logits): one row, not all
-            attn = selective_attention(q[-1:], rotated, values, pos_c[-1:], positions, c.sliding_window)
-            last = mlp(runner, layer, runner.attn_out(layer, hidden[-1:], attn.reshape(1, -1)))
-            next_logits = runner.logits(last)[0]
+        if layer + 1 < depth or finish_last:
+            # the readers' scores and every probed token's attention output from one softmax
+            layer_scores, attn = probe_attention(q, rotated, values, pos_c, positions, readers, fused_d,
+                                                 c.sliding_window)
+            scores += layer_scores.cpu()
+            if layer + 1 < depth:
+                hidden = mlp(runner, layer, runner.attn_out(layer, hidden, attn.reshape(attn.shape[0], -1)))
+            else:
+                # of the last layer only the last token's output is read (its logits): one row, not all
+                last = mlp(runner, layer, runner.attn_out(layer, hidden[-1:], attn[-1:].reshape(1, -1)))
+                next_logits = runner.logits(last)[0]
+        else:
+            scores += attention_scores(q[readers], rotated, pos_c[readers], positions, fused_d,
+                                       c.sliding_window).cpu()
     return Probe(scores / depth, int(computed.shape[0]) * depth, next_logits)
 
 

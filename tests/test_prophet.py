@@ -12,9 +12,16 @@ import torch
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.executor import fused_prefill
 from engine_sidecar.policies import ProphetPolicy, ReusePolicy, parse_policy, span_masks
-from engine_sidecar.prophet import attention_scores, probe_scores, reader_mask, select_with_windows
+from engine_sidecar.prophet import (
+    attention_scores,
+    probe_attention,
+    probe_scores,
+    reader_mask,
+    select_with_windows,
+)
 from ragcache_integrations import ChunkedPrompt
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
+from ragcache_kernels.attention import selective_attention
 from ragcache_kernels.rope import apply_rope
 from tests.policy_prompt import PASSAGES, QUESTION
 
@@ -47,6 +54,26 @@ def test_keys_after_the_reader_are_not_visible():
     k = torch.zeros(3, 1, 1)
     scores = attention_scores(q, k, torch.tensor([1]), torch.arange(3), torch.tensor([True, True, True]))
     assert torch.allclose(scores, torch.tensor([0.5, 0.5, 0.0]))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_probe_attention_is_the_attention_and_the_readers_scores(window):
+    """One softmax gives both: the output equals the torch reference attention of every probed
+    token, the scores equal `attention_scores` of the reader rows alone (GQA, gapped positions)."""
+    gen = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, dim = 23, 6, 2, 8
+    k = torch.randn(n, kv_heads, dim, generator=gen)
+    v = torch.randn(n, kv_heads, dim, generator=gen)
+    query_pos = torch.tensor([4, 9, 17, 20, 22])
+    q = torch.randn(query_pos.shape[0], heads, dim, generator=gen) * 2
+    readers = torch.tensor([False, True, False, True, True])
+    fused = torch.arange(n) % 3 != 0
+    scores, out = probe_attention(q, k, v, query_pos, torch.arange(n), readers, fused, window)
+    expected = selective_attention(q, k, v, query_pos, torch.arange(n), window)
+    assert torch.allclose(out, expected, atol=1e-5)
+    alone = attention_scores(q[readers], k, query_pos[readers], torch.arange(n), fused, window)
+    assert torch.allclose(scores, alone, atol=1e-6)
+    assert abs(scores.sum().item() - 1.0) < 1e-5 and scores[~fused].abs().max().item() == 0.0
 
 
 def test_windows_by_hand():
