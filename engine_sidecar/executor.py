@@ -106,11 +106,18 @@ def fused_prefill(
             fused[span.start : span.end] = True
 
     lazy = any(s.cached is not None and s.cached.reader is not None and s.mode != "fresh" for s in plan.spans)
+    # `tempT`: the fused chunks' cached keys are scaled by 1/T once rotated, which divides every
+    # query's logits on them by T (RoPE is linear); rows recomputed on a layer are overwritten there
+    key_scale = 1.0 / policy.temperature if policy.temperature != 1.0 and bool(fused.any()) else None
     reused = None
     if bool(has_cache.any()) and not lazy:
         # every layer's cached keys rotated to their new positions in one pass; per layer only the
         # recomputed rows are rotated again (with prefetch, layers arrive one by one: per layer)
         kv.keys[:, :n] = apply_rope(kv.keys_pre[:, :n], cos, sin)
+        if key_scale is not None:
+            for span in plan.spans:
+                if span.mode == "fuse":
+                    kv.keys[:, span.start : span.end].mul_(key_scale)
         # a question probe reads them here rather than copying and rotating them once more
         reused = ReusedKV(kv.keys[:, :n], kv.values[:, :n])
     probe_token_layers = policy.prepare(runner, plan, reused)  # model work before layer 0 (the question probe)
@@ -134,6 +141,7 @@ def fused_prefill(
         if active.numel() == 0:  # every token reused exactly (a prefix-only run): the cached KV stands
             if lazy:
                 dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n])
+                temper_stale_rows(kv.keys[layer, :n], fused, active, key_scale)
             continue
         qkv = runner.qkv(layer, hidden)
         keep = policy.refine(
@@ -152,6 +160,7 @@ def fused_prefill(
         dispatch.scatter_rows(kv.values[layer], active, qkv.v)
         if lazy:
             dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n])
+            temper_stale_rows(kv.keys[layer, :n], fused, active, key_scale)
         elif dense:
             kv.keys[layer, :n] = apply_rope(qkv.k, cos_a, sin_a)
         else:
@@ -173,6 +182,17 @@ def fused_prefill(
     prefetched = prefetcher.finish()
     return PrefillResult(logits, kv, token_layers, recomputed, int(fused.sum()), load_s, loaded,
                          prefetcher.times if prefetcher else None, prefetched)
+
+
+def temper_stale_rows(keys: torch.Tensor, fused: torch.Tensor, active: torch.Tensor, scale: float | None) -> None:
+    """Scale in place the rows of `keys` [n, Hkv, D] that hold fused chunks' cached KV on this
+    layer (fused, not recomputed here): `tempT` under layer-wise loading, where each layer's keys
+    are rotated as they arrive."""
+    if scale is None:
+        return
+    stale = fused.to(keys.device).clone()
+    stale[active] = False
+    keys[stale] *= scale
 
 
 def decode_step(runner: ModelRunner, kv: KVBuffer, token_id: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.frequency import DEFAULT_CUTOFF, frequency_scores
 from engine_sidecar.plan import FusionPlan
-from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
+from ragcache_integrations.policy_registry import PolicySpec, PolicySpecError, parse_policy_spec
 
 if TYPE_CHECKING:
     from engine_sidecar.model.runner import ModelRunner
@@ -74,6 +74,9 @@ class Policy:
     # the layer-0 active set is never shrunk by `refine`: cached rows of those tokens are never
     # read, so a chunk on disk can be loaded without them (sparse load)
     keeps_initial_active = False
+    # `tempT` (APE): queries' logits on the cached keys of fused chunks are divided by this; the
+    # executor scales those rows of the rotated keys (recomputed rows and exact prefixes keep theirs)
+    temperature = 1.0
 
     def initial_active(self, plan: FusionPlan) -> torch.Tensor:
         """Bool mask [T]; must include every fresh token."""
@@ -464,6 +467,13 @@ def parse_policy(spec: str) -> Policy:
         parsed = parse_policy_spec(spec)
     except PolicySpecError as exc:
         raise InvalidPromptError(str(exc)) from None
+    policy = _policy_of(parsed)
+    if parsed.temperature is not None:
+        policy.temperature = parsed.temperature
+    return policy
+
+
+def _policy_of(parsed: PolicySpec) -> Policy:
     value = parsed.value
     if parsed.name == "full":
         return FullPolicy()

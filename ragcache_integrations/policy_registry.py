@@ -6,10 +6,11 @@ and documented the same way everywhere. Standard library only: the adapters impo
 must not pull torch.
 
 A spec is `name[:argument[:tag]...]`: `cacheblend`, `cacheblend:0.3`, `cacheblend:auto:gradual`,
-`epic:16`, `cachecraft:1:nostop`, `prophet:0.15:nowindow:probe8`. An empty argument means the
-default (`cacheblend::gradual`). A tag is the entry's one option word or, for the policies that run
-the question probe, `probeL` (the probe stops after the first L layers); each at most once, in any
-order.
+`epic:16`, `cachecraft:1:nostop`, `prophet:0.15:nowindow:probe8`, `cacheblend:0.15:temp1.1`. An
+empty argument means the default (`cacheblend::gradual`). A tag is the entry's one option word; for
+the policies that run the question probe, `probeL` (the probe stops after the first L layers); for
+every policy that fuses cached chunks, `tempT` (attention temperature T on the reused chunk KV, APE;
+`reuse:temp1.1` for the policy without an argument); each at most once, in any order.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class PolicyEntry:
     auto: bool = False  # 'auto' may stand in for the argument: the engine picks the ratio
     option: str | None = None  # the one word allowed after the argument
     probe: bool = False  # runs the question probe: `probeL` limits it to the first L layers
+    tempers: bool = True  # fuses cached chunks, so `tempT` may set the attention temperature on them
 
     @property
     def form(self) -> str:
@@ -73,12 +75,17 @@ class PolicyEntry:
 # `probeL`: the question probe (prophet, mix) runs the first L layers only, so its cost is about
 # L / depth of the whole probe's; whether the picks hold up is for `bench fidelity` to tell
 PROBE_TAG = "probe"
+# `tempT` (APE): logits of queries on the cached KV of fused chunks (not on exact prefixes, not on
+# recomputed tokens) are divided by T; a parallel-encoded chunk's keys were never in context with
+# their new neighbours, and a temperature fitted on a calibration set corrects part of that
+TEMP_TAG = "temp"
 
 
 POLICIES: tuple[PolicyEntry, ...] = (
-    PolicyEntry("full", "the whole prompt computed, no reuse (the baseline: token for token a plain LLM)"),
+    PolicyEntry("full", "the whole prompt computed, no reuse (the baseline: token for token a plain LLM)",
+                tempers=False),
     PolicyEntry("prefix", "exact prefix reuse only (template, conversation, CP-Tree chunk prefix), the rest "
-                "computed"),
+                "computed", tempers=False),
     PolicyEntry("reuse", "every cached chunk reused as is at its new position, nothing recomputed"),
     PolicyEntry("cacheblend", "CacheBlend: the top-ratio tokens by KV deviation at the check layer recomputed "
                 "(default 0.15; auto: from the engine's measured load and compute costs; gradual: 3r, 2r, r "
@@ -128,7 +135,8 @@ def valid_policies_text() -> str:
 def policy_help() -> str:
     """For `--policy` help and field descriptions: the grammar, then what each policy does."""
     lines = "; ".join(f"{p.name} = {p.summary}" for p in POLICIES)
-    return f"{forms_text()} (default {DEFAULT_POLICY}). {lines}"
+    return (f"{forms_text()} (default {DEFAULT_POLICY}). {lines}. Every policy but full and prefix also takes "
+            f":{TEMP_TAG}T, an attention temperature T > 0 on the reused chunk KV (APE; e.g. cacheblend:0.15:temp1.1)")
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,7 @@ class PolicySpec:
     auto: bool = False
     option: bool = False
     probe_layers: int | None = None  # `probeL`: the question probe's depth (None: every layer)
+    temperature: float | None = None  # `tempT`: attention temperature on the reused chunk KV (None: 1)
 
 
 def _value(entry: PolicyEntry, text: str, spec: str) -> float | int:
@@ -161,21 +170,23 @@ def parse_policy_spec(spec: str) -> PolicySpec:
     entry = BY_NAME.get(name)
     if entry is None:
         raise PolicySpecError(f"unknown policy '{spec}': use {valid_policies_text()}")
-    arg = parts[0] if parts else ""
-    if parts and entry.arg is None:
-        raise PolicySpecError(f"bad argument in policy '{spec}': {name} takes no argument (form: {entry.form})")
-    option, probe_layers = _tags(entry, parts[1:], spec)
     if entry.arg is None:
-        return PolicySpec(name)
+        # no argument: only tags may follow (`reuse:temp1.1`)
+        if parts and not (entry.tempers and all(not p or p.startswith(TEMP_TAG) for p in parts)):
+            raise PolicySpecError(f"bad argument in policy '{spec}': {name} takes no argument (form: {entry.form})")
+        _, _, temperature = _tags(entry, parts, spec)
+        return PolicySpec(name, temperature=temperature)
+    arg = parts[0] if parts else ""
+    option, probe_layers, temperature = _tags(entry, parts[1:], spec)
     auto = entry.auto and arg == "auto"
     value = entry.default if arg == "" or auto else _value(entry, arg, spec)
-    return PolicySpec(name, value, auto, option, probe_layers)
+    return PolicySpec(name, value, auto, option, probe_layers, temperature)
 
 
-def _tags(entry: PolicyEntry, tags: list[str], spec: str) -> tuple[bool, int | None]:
-    """(option word given, probe depth or None) from the tags after the argument; empty tags are
-    nothing (`cacheblend:0.2:` is `cacheblend:0.2`)."""
-    option, probe_layers = False, None
+def _tags(entry: PolicyEntry, tags: list[str], spec: str) -> tuple[bool, int | None, float | None]:
+    """(option word given, probe depth or None, temperature or None) from the tags after the
+    argument; empty tags are nothing (`cacheblend:0.2:` is `cacheblend:0.2`)."""
+    option, probe_layers, temperature = False, None, None
     for tag in tags:
         if not tag:
             continue
@@ -187,14 +198,29 @@ def _tags(entry: PolicyEntry, tags: list[str], spec: str) -> tuple[bool, int | N
                 raise PolicySpecError(f"bad argument in policy '{spec}': {PROBE_TAG}L needs L, the layers the "
                                       f"probe runs, a whole number >= 1, got '{tag}' (form: {entry.form})")
             probe_layers = int(depth)
+        elif entry.tempers and tag.startswith(TEMP_TAG) and temperature is None:
+            temperature = _temperature(tag, spec)
         else:
             words = [f"'{entry.option}'"] if entry.option else []
             words += [f"{PROBE_TAG}L"] if entry.probe else []
+            words += [f"{TEMP_TAG}T"] if entry.tempers else []
             allowed = ("none" if not words else f"only {words[0]}" if len(words) == 1
                        else f"only {' and '.join(words)}, each once")
             raise PolicySpecError(f"bad argument in policy '{spec}': unknown {entry.name} option "
                                   f"'{':'.join(tags)}' ({allowed}; form: {entry.form})")
-    return option, probe_layers
+    return option, probe_layers, temperature
+
+
+def _temperature(tag: str, spec: str) -> float:
+    text = tag[len(TEMP_TAG):]
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0) or text.strip() != text:
+        raise PolicySpecError(f"bad argument in policy '{spec}': {TEMP_TAG}T needs T, the attention temperature on "
+                              f"the reused chunk KV, a number > 0, got '{tag}' (e.g. {TEMP_TAG}1.1)")
+    return value
 
 
 def check_policy(spec: str) -> str:
@@ -219,6 +245,6 @@ def policy_list_arg(text: str) -> str:
     return text
 
 
-__all__ = ["BY_NAME", "DEFAULT_POLICY", "NAMES", "POLICIES", "PROBE_TAG", "PolicyEntry", "PolicySpec", "PolicySpecError",
+__all__ = ["BY_NAME", "DEFAULT_POLICY", "NAMES", "POLICIES", "PROBE_TAG", "TEMP_TAG", "PolicyEntry", "PolicySpec", "PolicySpecError",
            "check_policy", "forms", "forms_text", "parse_policy_spec", "policy_arg", "policy_help", "policy_list_arg",
            "valid_policies_text"]
