@@ -9,7 +9,12 @@ import os
 import sys
 from pathlib import Path
 
-from engine_sidecar.bench.policy_specs import ORACLE_HELP, default_fidelity_policies, fidelity_policy_list_arg
+from engine_sidecar.bench.policy_specs import (
+    DEFAULT_TEMPERATURES,
+    ORACLE_HELP,
+    default_fidelity_policies,
+    fidelity_policy_list_arg,
+)
 from engine_sidecar.engine_args import add_engine_arguments, engine_from_args
 from engine_sidecar.errors import RagCacheError
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, policy_arg, policy_help
@@ -127,6 +132,12 @@ def cmd_bench_prefetch(args: argparse.Namespace) -> int:
     from engine_sidecar.bench.prefetch import run_prefetch
 
     return run_prefetch(args)
+
+
+def cmd_calibrate_temperature(args: argparse.Namespace) -> int:
+    from engine_sidecar.bench.temperature import run_calibrate_temperature
+
+    return run_calibrate_temperature(args)
 
 
 def cmd_bench_fidelity(args: argparse.Namespace) -> int:
@@ -252,6 +263,30 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-tokens", type=int, default=16, help="answer length while calibrating (default 16)")
     add_engine_arguments(cal)
     cal.set_defaults(func=cmd_calibrate)
+
+    temp = sub.add_parser("calibrate-temperature",
+                          help="fit the attention temperature T on reused chunk KV (tempT, APE) label-free: the T "
+                               "whose teacher-forced answers are closest to full prefill's (lowest mean KL) on a "
+                               "calibration split",
+                          description="For each calibration question, full prefill's own greedy answer is the "
+                                      "teacher; the policy runs with each candidate :tempT along it, and the T with "
+                                      "the lowest mean KL(full || policy) is printed with the --policy to use. No "
+                                      "gold answers are read. Keep the split apart from evaluation questions "
+                                      "(--start).")
+    temp.add_argument("--data", required=True, help="calibration set: a musique_s.json-format file, or 'fanoutqa'")
+    temp.add_argument("--start", type=int, default=0, help="first record to use (default 0): keep the calibration "
+                      "questions apart from those you evaluate on")
+    temp.add_argument("--n", type=int, default=20, help="calibration questions (default 20)")
+    temp.add_argument("--k", type=int, default=4, help="chunks per question (default 4)")
+    temp.add_argument("--policy", default="cacheblend:0.15", type=policy_arg,
+                      help="the policy to fit T for, without a temp tag (default cacheblend:0.15)")
+    temp.add_argument("--temperatures", default=DEFAULT_TEMPERATURES,
+                      help=f"candidate T, comma list (default {DEFAULT_TEMPERATURES}; 1 is always included)")
+    temp.add_argument("--max-tokens", type=int, default=32,
+                      help="length of full prefill's answer followed (default 32)")
+    temp.add_argument("--json", type=Path, default=None, help="also write the fit here")
+    add_engine_arguments(temp)
+    temp.set_defaults(func=cmd_calibrate_temperature)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", metavar="NAME",
                                                                     required=True)

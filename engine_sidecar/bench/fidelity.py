@@ -219,7 +219,7 @@ def policy_details(spec: str | Policy) -> dict[str, Any]:
     return {}
 
 
-def _agreement(logprobs: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+def agreement_and_kl(logprobs: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
     """(top-1 agreement, mean KL(reference || logprobs)) over answer positions."""
     agreement = (logprobs.argmax(-1) == reference.argmax(-1)).float().mean()
     kl = (reference.exp() * (reference - logprobs)).sum(-1).mean()
@@ -258,7 +258,7 @@ def teacher_forced(engine: Any, prompt: ChunkedPrompt, row: dict[str, Any], poli
                     "prompt_tokens": stats.prefill_tokens_total}
             target = row["policies"][policy]
             target.update(policy_details(spec))
-        target["tf_agreement"], target["tf_kl"] = _agreement(logprobs, ref_logprobs)
+        target["tf_agreement"], target["tf_kl"] = agreement_and_kl(logprobs, ref_logprobs)
         if divergence:
             target["divergence"] = layer_divergence(hidden, reference["hidden"])
 
@@ -275,7 +275,7 @@ def noise_floor(runner: Any, engine: Any, prompt: ChunkedPrompt, row: dict[str, 
                              "token_ids": other["token_ids"], "ttft_s": other["ttft_s"], "computed_fraction": 1.0,
                              "recompute_share": 0.0, "prompt_tokens": len(ids)}
     if answer:
-        entry["tf_agreement"], entry["tf_kl"] = _agreement(other["follow_logits"].log_softmax(-1),
+        entry["tf_agreement"], entry["tf_kl"] = agreement_and_kl(other["follow_logits"].log_softmax(-1),
                                                            reference["logits"].log_softmax(-1))
         entry["divergence"] = layer_divergence(other["hidden"], reference["hidden"])
     row["policies"][name] = entry

@@ -16,6 +16,9 @@ ORACLE = "oracle"
 # one `bench fidelity` command puts them beside the baseline they have to beat
 STRONGEST_NEW = ("prophet:0.15:nowindow", "mix:0.15:split")
 
+# `ragcache calibrate-temperature`'s candidate T (tempT, APE) when none are given
+DEFAULT_TEMPERATURES = "0.95,1,1.05,1.1,1.15,1.2,1.25"
+
 
 def default_fidelity_policies(default: str = DEFAULT_POLICY) -> str:
     """`bench fidelity`'s --policies when none are given: full, reuse, cacheblend:0.15, the engine's

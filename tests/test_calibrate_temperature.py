@@ -1,0 +1,78 @@
+"""`ragcache calibrate-temperature` (issue 16): the tempT spec it composes, the fit against KL
+recomputed independently, the ratio-1.0 guard (nothing reused: every T is full prefill) and the
+command end to end on a tiny model, with its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_sidecar.bench.fidelity import agreement_and_kl, full_reference
+from engine_sidecar.bench.temperature import fit_temperature, parse_temperatures, with_temperature
+from engine_sidecar.cli import main
+from engine_sidecar.errors import InvalidPromptError
+from ragcache_integrations import ChunkedPrompt
+from ragcache_integrations.policy_registry import parse_policy_spec
+from tests.policy_prompt import PASSAGES, QUESTION
+
+
+def test_with_temperature_composes_the_grammar():
+    assert with_temperature("reuse", 1.1) == "reuse:temp1.1"
+    assert with_temperature("cacheblend", 1.2) == "cacheblend::temp1.2"
+    assert with_temperature("cacheblend:0.15", 0.95) == "cacheblend:0.15:temp0.95"
+    assert with_temperature("prophet:0.15:nowindow", 1.0) == "prophet:0.15:nowindow:temp1"
+    for spec in ("reuse", "cacheblend", "cacheblend:0.15", "epic:16", "mix:0.15:split:probe8"):
+        assert parse_policy_spec(with_temperature(spec, 1.05)).temperature == 1.05
+    for bad in ("full", "prefix", "cacheblend:0.15:temp1.1", "nosuch"):
+        with pytest.raises(InvalidPromptError):
+            with_temperature(bad, 1.1)
+    assert parse_temperatures("1.1, 0.9,1.1") == [0.9, 1.1]
+    for bad in ("", "0", "-1,1", "x", "inf"):
+        with pytest.raises(InvalidPromptError):
+            parse_temperatures(bad)
+
+
+PROMPTS = [ChunkedPrompt(chunks=PASSAGES, question=QUESTION),
+           ChunkedPrompt(chunks=list(reversed(PASSAGES)), question="Where is Kilimanjaro?")]
+
+
+def test_fit_is_the_lowest_mean_kl_recomputed_by_hand(tiny_engine):
+    fit = fit_temperature(tiny_engine, PROMPTS, "reuse", [0.8, 1.0, 1.5], max_tokens=6, progress=False)
+    assert fit.questions == 2
+    for t in (0.8, 1.5):
+        kls = []
+        for prompt in PROMPTS:
+            reference = full_reference(tiny_engine, prompt, 6)
+            answer = reference["row"]["token_ids"]
+            logits, _ = tiny_engine.teacher_forced_logits(prompt, answer[:-1], policy=f"reuse:temp{t:g}")
+            kls.append(agreement_and_kl(logits.float().log_softmax(-1), reference["logits"].log_softmax(-1))[1])
+        assert fit.kl[f"{t:g}"] == pytest.approx(sum(kls) / 2, rel=1e-4, abs=1e-6)
+    assert len(set(fit.kl.values())) == 3  # the temperature changes the answers' distributions
+    assert fit.kl[f"{fit.best:g}"] == min(fit.kl.values())
+    assert fit.best_spec == f"reuse:temp{fit.best:g}"
+
+
+def test_nothing_reused_means_every_temperature_is_full_prefill(tiny_engine):
+    fit = fit_temperature(tiny_engine, PROMPTS[:1], "cacheblend:1.0", [0.5, 2.0], max_tokens=6, progress=False)
+    assert max(fit.kl.values()) < 1e-6 and min(fit.agreement.values()) == 1.0
+
+
+def test_the_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
+    data = tmp_path / "qa.json"
+    records = [{"question": q, "answers": ["x"], "ctxs": [{"title": "", "text": c} for c in chunks]}
+               for q, chunks in [(QUESTION, PASSAGES), ("Where is Kilimanjaro?", PASSAGES[::-1])] * 2]
+    data.write_text(json.dumps(records))
+    out = tmp_path / "fit.json"
+    args = ["calibrate-temperature", "--data", str(data), "--start", "1", "--n", "2", "--k", "3",
+            "--policy", "cacheblend:0.2", "--temperatures", "0.9,1.2", "--max-tokens", "5",
+            "--model", str(tiny_llama_dir), "--no-disk", "--dtype", "float32", "--json", str(out)]
+    assert main(args) == 0
+    fit = json.loads(out.read_text())
+    assert fit["questions"] == 2 and fit["start"] == 1 and fit["temperatures"] == [0.9, 1.0, 1.2]
+    assert parse_policy_spec(fit["best_spec"]).temperature == fit["best"]
+    assert "use --policy cacheblend:0.2:temp" in capsys.readouterr().out
+    for bad, message in ((["--policy", "full"], "reuses no chunk KV"), (["--start", "9"], "no records"),
+                         (["--temperatures", "0"], "numbers > 0")):
+        assert main(args + bad) != 0  # argparse: the last of a repeated flag wins
+        assert message in capsys.readouterr().err
