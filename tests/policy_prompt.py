@@ -9,3 +9,9 @@ PASSAGES = [
 ]
 QUESTION = "Which river reaches the Atlantic?"
 PROMPT = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
+
+
+def plan_of(engine, prompt: ChunkedPrompt, policy):
+    """The FusionPlan the engine would run for `prompt` under `policy` (nothing computed yet)."""
+    prompt, _, pol = engine.prep.prepare(prompt, None, policy, "preserve", "")
+    return engine.planning.plan(prompt, pol, "").plan

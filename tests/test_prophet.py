@@ -23,7 +23,7 @@ from ragcache_integrations import ChunkedPrompt
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
 from ragcache_kernels.attention import selective_attention
 from ragcache_kernels.rope import apply_rope
-from tests.policy_prompt import PASSAGES, QUESTION
+from tests.policy_prompt import PASSAGES, QUESTION, plan_of
 
 
 def test_attention_scores_by_hand_each_head_normalized_over_fused_keys():
@@ -105,11 +105,6 @@ def test_grammar_parses_and_rejects():
             parse_policy(bad)
 
 
-def _plan(engine, prompt: ChunkedPrompt, policy):
-    prompt, _, pol = engine.prep.prepare(prompt, None, policy, "preserve", "")
-    return engine.planning.plan(prompt, pol, "").plan
-
-
 def test_ratio_one_equals_full_prefill_also_teacher_forced(tiny_engine):
     prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
     full, _ = tiny_engine.prefill_logits(prompt, policy="full")
@@ -148,7 +143,7 @@ def test_probe_reads_the_questions_attention_in_a_reuse_pass(tiny_engine):
     in a plain `reuse` prefill, averaged over layers, and the policy picks the top of them."""
     prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
     tiny_engine.warm(PASSAGES)
-    plan = _plan(tiny_engine, prompt, "reuse")
+    plan = plan_of(tiny_engine, prompt, "reuse")
     runner = tiny_engine.runner
     fused = span_masks(plan)[0]
     readers = reader_mask(plan)
@@ -186,7 +181,7 @@ def test_selection_picks_the_tokens_the_question_is_made_to_attend_to(tiny_engin
     exactly those three, and with windows their neighbours."""
     prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
     tiny_engine.warm(PASSAGES)
-    plan = _plan(tiny_engine, prompt, "reuse")
+    plan = plan_of(tiny_engine, prompt, "reuse")
     runner = tiny_engine.runner
     readers = reader_mask(plan)
     queries: list[torch.Tensor] = []
@@ -216,7 +211,7 @@ def test_selection_picks_the_tokens_the_question_is_made_to_attend_to(tiny_engin
 
 def test_initial_active_without_prepare_is_an_error(tiny_engine):
     tiny_engine.warm(PASSAGES)
-    plan = _plan(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
+    plan = plan_of(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
     with pytest.raises(AssertionError, match="prepare"):
         ProphetPolicy(0.2).initial_active(plan)
 
@@ -242,7 +237,7 @@ def test_the_probe_is_invisible_to_the_benchs_per_layer_capture(tiny_engine):
     from engine_sidecar.bench.divergence import capture_last_hidden
 
     tiny_engine.warm(PASSAGES)
-    plan = _plan(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
+    plan = plan_of(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
     with capture_last_hidden(tiny_engine.runner) as rows:
         fused_prefill(tiny_engine.runner, plan, ProphetPolicy(0.2))
     assert len(rows) == tiny_engine.runner.num_layers
@@ -254,7 +249,7 @@ def test_the_probe_reads_the_prefills_buffer_with_the_same_scores(tiny_engine):
     from engine_sidecar.prophet import ReusedKV, probe
 
     tiny_engine.warm(PASSAGES)
-    plan = _plan(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
+    plan = plan_of(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
     runner = tiny_engine.runner
     c = runner.config
     n = plan.num_tokens
@@ -275,7 +270,7 @@ def test_the_probe_reads_the_prefills_buffer_with_the_same_scores(tiny_engine):
 
 def test_probe_layers_stop_the_probe_and_count_only_its_layers(tiny_engine):
     tiny_engine.warm(PASSAGES)
-    plan = _plan(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
+    plan = plan_of(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
     runner = tiny_engine.runner
     full_scores, full_work = probe_scores(runner, plan)
     one_scores, one_work = probe_scores(runner, plan, layers=1)

@@ -12,7 +12,7 @@ from engine_sidecar.executor import fused_prefill, temper_stale_rows
 from engine_sidecar.policies import parse_policy
 from ragcache_integrations import ChunkedPrompt
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
-from tests.policy_prompt import PASSAGES, QUESTION
+from tests.policy_prompt import PASSAGES, QUESTION, plan_of
 from tests.test_prefetch import cold_engine
 
 
@@ -32,18 +32,13 @@ def test_grammar():
             parse_policy(bad)
 
 
-def _plan(engine, prompt: ChunkedPrompt, policy):
-    prompt, _, pol = engine.prep.prepare(prompt, None, policy, "preserve", "")
-    return engine.planning.plan(prompt, pol, "").plan
-
-
 def test_temperature_is_attention_over_keys_scaled_by_one_over_t(tiny_engine):
     """reuse:temp2 equals plain reuse over the fused chunks' cached keys halved (RoPE is linear),
     and differs from plain reuse."""
     prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
     tiny_engine.warm(PASSAGES)
     runner = tiny_engine.runner
-    plan = _plan(tiny_engine, prompt, "reuse")
+    plan = plan_of(tiny_engine, prompt, "reuse")
     assert sum(span.mode == "fuse" for span in plan.spans) == 3
     tempered = fused_prefill(runner, plan, parse_policy("reuse:temp2")).logits
     plain = fused_prefill(runner, plan, parse_policy("reuse")).logits
