@@ -101,10 +101,14 @@ def test_a_chunk_computed_on_replica_a_is_a_redis_hit_on_b_with_the_same_answer(
     a = warmed.headers[REPLICA]
     time.sleep(0.3)  # the warm-up's Redis writes are queued: let them land
     answers = {}
-    for _ in range(2):  # round robin: one lands on each replica
+    # round robin mostly alternates, but Ray's router may send two in a row to one replica when
+    # the machine is loaded: ask until both have answered
+    for _ in range(8):
         where, result = generate(cluster, "/rr", chunks)
         assert result["stats"]["chunk_hits"] == 3
         answers[where] = result["token_ids"]
+        if len(answers) == 2:
+            break
     assert len(answers) == 2 and a in answers
     b = next(name for name in answers if name != a)
     assert answers[b] == answers[a]
@@ -115,12 +119,11 @@ def test_another_tenant_misses_on_every_replica(cluster):
     warmed = cluster.post("/rr/v1/chunks/warm", json={"chunks": chunks, "tenant": "acme"})
     assert warmed.json()["computed"] == 3
     time.sleep(0.3)
-    seen = set()
-    for _ in range(2):
+    for i in range(2):
         where, result = generate(cluster, "/rr", chunks, tenant="globex")
-        seen.add(where)
-        # globex computes its own copy on its first request; what acme stored is never its hit
-        if len(seen) == 1:
+        # globex computes its own copy on its first request, whichever replica takes it: what acme
+        # stored is never its hit (the second may hit globex's own copy, locally or through Redis)
+        if i == 0:
             assert result["stats"]["chunk_misses"] == 3
     where, result = generate(cluster, "/rr", chunks, tenant="acme")
     assert result["stats"]["chunk_hits"] == 3
