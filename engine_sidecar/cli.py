@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from engine_sidecar.bench.policy_specs import (
+    BASELINE,
     DEFAULT_TEMPERATURES,
     ORACLE_HELP,
     default_fidelity_policies,
@@ -285,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     temp.add_argument("--max-tokens", type=int, default=32,
                       help="length of full prefill's answer followed (default 32)")
     temp.add_argument("--json", type=Path, default=None, help="also write the fit here")
+    temp.add_argument("--save", action="store_true",
+                      help="keep the fitted T for this model and policy family "
+                           "($RAGCACHE_HOME/calibration/): engines on this model then apply it to that policy "
+                           "whenever a request names no :tempT (--fused-temperature auto, the default)")
     add_engine_arguments(temp)
     temp.set_defaults(func=cmd_calibrate_temperature)
 
@@ -309,10 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skip the teacher-forced pass (each policy's next-token choices along full prefill's "
                           "own answer: top-1 agreement and mean KL, steadier than ROUGE-L; one more prefill "
                           "per policy and question)")
-    fid.add_argument("--baseline", default="cacheblend:0.15",
+    fid.add_argument("--baseline", default=BASELINE,
                      help="policy every other one is compared with, per question, for the paired 95%% interval "
-                          "of the teacher-forced agreement difference (default cacheblend:0.15; reuse when "
-                          "it is not in --policies)")
+                          f"of the teacher-forced agreement difference (default {BASELINE}, CacheBlend at 15%% "
+                          "without a temperature; reuse when it is not in --policies)")
     fid.add_argument("--follow-up", action="store_true",
                      help="measure turn 2 of a conversation per policy: each question, then the next record's "
                           "question over its own passages in the same conversation")

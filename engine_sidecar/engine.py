@@ -17,13 +17,14 @@ import torch
 
 from engine_sidecar.adaptive import CostMeter
 from engine_sidecar.cachecraft import VariantIndex
+from engine_sidecar.calibration import resolve as fused_temperatures
 from engine_sidecar.commit import ReuseWriter
 from engine_sidecar.conversation import ConversationStore
 from engine_sidecar.cptree import CPTree
 from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.eos import eos_token_ids
 from engine_sidecar.executor import PrefillResult
-from engine_sidecar.fingerprint import model_fingerprint, tokenizer_fingerprint
+from engine_sidecar.fingerprint import model_fingerprint, tokenizer_fingerprint, weights_fingerprint
 from engine_sidecar.keys import KeyFactory
 from engine_sidecar.model.prepare import resolve_model_dir
 from engine_sidecar.model.runner import ModelRunner
@@ -78,7 +79,8 @@ class Engine:
                             config.reuse.promote_threshold)
         self.writer = ReuseWriter(store, self.keys, self.cptree, self.variants)
         self.precompute = Precomputer(runner, store, self.keys, self.writer, self._lock)
-        self.prep = RequestPreparer(builder, self.access_table, store, self.keys, self.max_context)
+        self.prep = RequestPreparer(builder, self.access_table, store, self.keys, self.max_context,
+                                    fused_temperatures(config.reuse.fused_temperature, weights_fingerprint(model_dir)))
         self.planning = PlanStage(self.planner, store, self.writer, self.costs, self.conversations, config)
         self.probes = FidelityProbes(runner, builder, self.prep, self._lock, self.planning, self._prefill,
                                      config.reuse.convention)
@@ -212,8 +214,7 @@ class Engine:
             self.precompute.enqueue_background(chunk_seg, prefix, seq.tenant)
         seq.finish()
 
-    def lookup(self, key: CacheKey) -> ChunkKV | None:
-        """A store read during planning (plan_stage.py: lazy while prefetch can stream it)."""
+    def lookup(self, key: CacheKey) -> ChunkKV | None:  # planning's store read (plan_stage.py)
         return self.planning.lookup(key)
 
     def _prefill(self, planned: PlannedRequest, policy: Policy, prompt: ChunkedPrompt | None, tenant: str,

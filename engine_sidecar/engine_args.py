@@ -28,6 +28,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def fused_temperature_arg(text: str) -> str | float:
+    from engine_sidecar.calibration import TemperatureSettingError, check_setting
+
+    try:
+        return check_setting(text)
+    except TemperatureSettingError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct, prepared on first use) or a local HF model folder")
@@ -60,6 +69,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 64; 0 keeps none)")
     p.add_argument("--conversation-ram-gb", type=float, default=0.5,
                    help="RAM for all kept conversations' KV together, apart from --ram-cache-gb (default 0.5)")
+    p.add_argument("--fused-temperature", type=fused_temperature_arg, default="auto",
+                   help="attention temperature on reused chunk KV for a --policy without :tempT: auto (default) "
+                        "= the T fitted for this model and policy family (`ragcache calibrate-temperature --save`; "
+                        "the default SmolLM2 ships cacheblend's), off = 1, or one number > 0 for every fusing policy")
     p.add_argument("--max-batch", type=positive_int, default=16,
                    help="requests decoded together in one batched step (default 16; 1 serves one at a time)")
     p.add_argument("--batch-kv-gb", type=non_negative, default=4.0,
@@ -78,7 +91,7 @@ def engine_from_args(args: argparse.Namespace):
         prefetch=not getattr(args, "no_prefetch", False),
         conversation_max_count=getattr(args, "conversations", 64),
         conversation_ram_bytes=int(getattr(args, "conversation_ram_gb", 0.5) * (1 << 30)),
-        max_batch=getattr(args, "max_batch", 16),
+        max_batch=getattr(args, "max_batch", 16), fused_temperature=getattr(args, "fused_temperature", "auto"),
         batch_kv_bytes=int(getattr(args, "batch_kv_gb", 4.0) * (1 << 30)),
         redis_url=getattr(args, "redis_url", None), redis_ttl_s=getattr(args, "redis_ttl", 86400.0),
     )

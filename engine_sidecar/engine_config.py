@@ -49,6 +49,10 @@ class ReuseConfig:
     # instead of a fused one; None: never (measured on the documents stream: promoting at 4 turned
     # 82 of 548 reusable chunk reads into full computes and made warm TTFT 1.3x slower)
     fusion_promote_threshold: int | None = None
+    # the attention temperature on reused chunk KV (tempT, APE) for a policy that names none:
+    # "auto" = the T fitted for this model and policy family (calibration.py; 1 where none was
+    # fitted), "off" = 1, or one number > 0 for every policy that fuses
+    fused_temperature: str | float = "auto"
     cachecraft_variants_per_chunk: int = 4  # Cache-Craft's M
     cachecraft_max_chunks: int = 1024  # Cache-Craft's N: N * M variants in all
 

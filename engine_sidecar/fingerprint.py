@@ -40,13 +40,23 @@ def _file_digest(path: Path) -> str:
     return memo[stamp]
 
 
-def model_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
+def _weights_hash(model_dir: Path) -> hashlib.blake2b:
     h = hashlib.blake2b(digest_size=16)
     h.update((model_dir / "config.json").read_bytes())
     for path in safetensors_files(model_dir):
         h.update(_file_digest(path).encode())
+    return h
+
+
+def model_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
+    h = _weights_hash(model_dir)
     h.update(str(dtype).encode())
     return h.hexdigest()
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """The model's identity whatever dtype it runs in: what a calibration fitted on it is keyed by."""
+    return _weights_hash(model_dir).hexdigest()
 
 
 def tokenizer_fingerprint(model_dir: Path, chat_template: str | None) -> str:

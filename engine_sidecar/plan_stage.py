@@ -38,6 +38,8 @@ class PlanStage:
                                         self.config.conversations.dedup)
         finally:
             self.lazy_reads = False
+        if policy.temperature != 1.0 and any(span.mode == "fuse" for span in planned.plan.spans):
+            planned.plan.notes.append(f"attention temperature {policy.temperature:g} on the fused chunks' KV")
         if policy.auto:
             # r0 for the slowest tier this request's cached KV came from (adaptive.py)
             tier = ("redis" if self.store.hits_redis > redis_hits else

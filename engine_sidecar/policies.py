@@ -9,7 +9,7 @@ come back with. Tokens of `fresh` spans (no cache) and the question are always k
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -458,8 +458,10 @@ class GatePolicy(ProphetPolicy):
         return self.probe_token_layers
 
 
-def parse_policy(spec: str) -> Policy:
+def parse_policy(spec: str, temperatures: Mapping[str, float] | None = None) -> Policy:
     """A Policy from its spec ('cacheblend:0.3:gradual', 'epic:16', 'cachecraft:1:nostop', ...).
+    `temperatures` (policy name -> T, the engine's calibrated ones) gives the attention
+    temperature of a spec that names no tempT; a spec's own tempT always wins.
 
     The grammar, defaults and argument ranges live in `ragcache_integrations.policy_registry`, so
     the CLI, the HTTP API and this parser accept and reject exactly the same strings."""
@@ -470,6 +472,8 @@ def parse_policy(spec: str) -> Policy:
     policy = _policy_of(parsed)
     if parsed.temperature is not None:
         policy.temperature = parsed.temperature
+    elif temperatures and parsed.name in temperatures:
+        policy.temperature = temperatures[parsed.name]
     return policy
 
 

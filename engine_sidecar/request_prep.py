@@ -3,6 +3,8 @@ its chunks counted in the CA-Table and put in the requested order."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from engine_sidecar.errors import PromptTooLongError
 from engine_sidecar.keys import KeyFactory
 from engine_sidecar.planner import IN_CONTEXT
@@ -15,9 +17,11 @@ from ragcache_integrations.types import Chunk, ChunkedPrompt, SamplingParams
 
 class RequestPreparer:
     def __init__(self, builder: PromptBuilder, access_table: ChunkAccessTable, store: ChunkStore, keys: KeyFactory,
-                 max_context: int):
+                 max_context: int, temperatures: Mapping[str, float] | None = None):
         self.builder, self.access_table, self.store, self.keys = builder, access_table, store, keys
         self.max_context = max_context
+        # policy name -> the attention temperature a spec without tempT gets (calibration.py)
+        self.temperatures = dict(temperatures or {})
 
     def check_chunk_fits(self, seg: Segment, index: int | None = None) -> None:
         if len(seg.token_ids) >= self.max_context:
@@ -31,7 +35,7 @@ class RequestPreparer:
                  policy: str | Policy, order: str, tenant: str) -> tuple[ChunkedPrompt, SamplingParams, Policy]:
         prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
         sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
-        pol = policy if isinstance(policy, Policy) else parse_policy(policy)
+        pol = policy if isinstance(policy, Policy) else parse_policy(policy, self.temperatures)
         check_order(order)
         # counts are per tenant: one tenant's traffic must not reorder (or reveal) another's chunks
         self.access_table.record([access_key(tenant, c.id or "") for c in prompt.chunks])

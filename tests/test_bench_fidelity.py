@@ -33,7 +33,7 @@ def test_unknown_dataset_is_a_clear_error(tmp_path):
 
 def test_fidelity_bench_runs_every_policy_family_and_writes_table_json_and_plot(tiny_llama_dir, tmp_path):
     out = tmp_path / "fidelity.json"
-    policies = "full,reuse,cacheblend:0.15,epic:4,cachetune:0.15,cachecraft:0.5"
+    policies = "full,reuse,cacheblend:0.15:temp1,epic:4,cachetune:0.15,cachecraft:0.5"
     proc = subprocess.run(
         [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", "3", "--k", "3",
          "--policies", policies, "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk",
@@ -50,14 +50,14 @@ def test_fidelity_bench_runs_every_policy_family_and_writes_table_json_and_plot(
     assert 0.0 < result["policies"]["cachetune:0.15"]["recompute_share"] < 0.5
     assert "| cachecraft:0.5 |" in out.with_suffix(".md").read_text()
     # teacher-forced along full's answer: full agrees with itself, the others are compared with
-    # cacheblend:0.15 question by question
+    # cacheblend:0.15:temp1 (the default baseline) question by question
     full = result["policies"]["full"]
     assert full["tf_agreement"] == 1.0 and abs(full["tf_kl"]) < 1e-6
     for name, m in result["policies"].items():
         assert 0.0 <= m["tf_agreement"] <= 1.0 and m["tf_kl"] >= -1e-6
-        if name != "cacheblend:0.15":
+        if name != "cacheblend:0.15:temp1":
             delta = m["tf_agreement_delta"]
-            assert delta["vs"] == "cacheblend:0.15" and delta["ci95"][0] <= delta["mean"] <= delta["ci95"][1]
+            assert delta["vs"] == "cacheblend:0.15:temp1" and delta["ci95"][0] <= delta["mean"] <= delta["ci95"][1]
     assert "Teacher-forced along full prefill's answer" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -102,7 +102,7 @@ def _row(i: int, generated: bool) -> dict:
     return {"index": i, "question": f"q{i}", "answers": ["a"], "policies": {
         "full": entry(1.0, 1.0, "the answer"),
         "reuse": entry(0.5 + 0.01 * i, 0.1, "the answer" if generated else None),
-        "cacheblend:0.15": entry(0.6 + 0.01 * i, 0.25, "an answer" if generated else None),
+        "cacheblend:0.15:temp1": entry(0.6 + 0.01 * i, 0.25, "an answer" if generated else None),
         **({"focus:0.15": entry(0.7, 0.25, "x")} if generated else {})}}
 
 
@@ -117,12 +117,12 @@ def test_merge_partials_pools_runs_pairs_per_question_and_drops_text_of_mixed_ru
     report = json.loads(out.read_text())
     assert report["config"]["n"] == 6 and report["config"]["generated"] is False
     # focus:0.15 is missing from the second run's rows: left out
-    assert list(report["policies"]) == ["full", "reuse", "cacheblend:0.15"]
+    assert list(report["policies"]) == ["full", "reuse", "cacheblend:0.15:temp1"]
     reuse = report["policies"]["reuse"]
     assert reuse["rouge_l_vs_full"] is None  # text of the generated rows dropped, not a 3-row ROUGE-L
     assert reuse["tf_agreement"] == pytest.approx(0.5 + 0.01 * 2.5)
     # paired per question: reuse is 0.1 below cacheblend on every row, so the interval is a point
-    assert reuse["tf_agreement_delta"]["vs"] == "cacheblend:0.15"
+    assert reuse["tf_agreement_delta"]["vs"] == "cacheblend:0.15:temp1"
     assert reuse["tf_agreement_delta"]["mean"] == pytest.approx(-0.1)
     assert reuse["tf_agreement_delta"]["ci95"] == pytest.approx([-0.1, -0.1])
     assert reuse["ttft_ratio_vs_full"] == pytest.approx(0.1)
@@ -130,7 +130,7 @@ def test_merge_partials_pools_runs_pairs_per_question_and_drops_text_of_mixed_ru
     # all generated: ROUGE-L kept; a dropped policy leaves the table
     merge_partials([first], out, drop=("focus:0.15",))
     report = json.loads(out.read_text())
-    assert list(report["policies"]) == ["full", "reuse", "cacheblend:0.15"]
+    assert list(report["policies"]) == ["full", "reuse", "cacheblend:0.15:temp1"]
     assert report["policies"]["reuse"]["rouge_l_vs_full"] == pytest.approx(1.0)
     empty = tmp_path / "empty.partial.jsonl"
     empty.write_text("")

@@ -24,7 +24,7 @@ from engine_sidecar.bench.datasets import chunk_texts
 from engine_sidecar.bench.divergence import capture_last_hidden, full_pass, layer_divergence, prefill_hidden
 from engine_sidecar.bench.metrics import bootstrap_ci, exact_match, rouge_l, token_f1
 from engine_sidecar.bench.oracle_policy import OraclePolicy
-from engine_sidecar.bench.policy_specs import is_oracle, oracle_ratio
+from engine_sidecar.bench.policy_specs import BASELINE, is_oracle, oracle_ratio
 from engine_sidecar.bench.report import write_report
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.model.runner import ModelRunner
@@ -98,6 +98,10 @@ def run_fidelity(args: argparse.Namespace) -> int:
             from transformers import AutoModelForCausalLM
 
             hf_model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.runner.dtype).eval()
+        if engine.prep.temperatures:
+            fitted = ", ".join(f"{name} T={t:g}" for name, t in sorted(engine.prep.temperatures.items()))
+            console.print(f"a policy without :temp<T> runs with this model's attention temperature ({fitted}; "
+                          "--fused-temperature off for none)", markup=False)
         noise, noise_name = None, None
         if getattr(args, "noise_floor", False):
             # full prefill in the other precision: the same weights, no cache
@@ -162,7 +166,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
                 with partial.open("a", encoding="utf-8") as fh:
                     fh.write(json.dumps(row) + "\n")
     measured = policies + [noise_name] if noise_name and rows and noise_name in rows[0]["policies"] else policies
-    summary = summarize(rows, measured, getattr(args, "baseline", "cacheblend:0.15"))
+    summary = summarize(rows, measured, getattr(args, "baseline", BASELINE))
     if not rows:
         raise InvalidPromptError("--follow-up needs at least two questions (--n 2 or more)")
     config = {"data": str(args.data), "n": len(rows), "k": args.k, "max_tokens": args.max_tokens,
@@ -315,7 +319,7 @@ def scatter_plot(summary: dict[str, dict[str, float]], config: dict[str, Any], p
 
 
 def summarize(rows: list[dict[str, Any]], policies: list[str],
-              baseline: str = "cacheblend:0.15") -> dict[str, dict[str, Any]]:
+              baseline: str = BASELINE) -> dict[str, dict[str, Any]]:
     full_ttft = statistics.median(r["policies"]["full"]["ttft_s"] for r in rows)
     out: dict[str, dict[str, Any]] = {}
     base = baseline if baseline in policies else "reuse" if "reuse" in policies else None
@@ -458,7 +462,7 @@ def divergence_table(summary: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def merge_partials(paths: list[Path], out: Path | None = None, baseline: str = "cacheblend:0.15",
+def merge_partials(paths: list[Path], out: Path | None = None, baseline: str = BASELINE,
                    drop: tuple[str, ...] = (), k: int = 4, max_tokens: int = 32) -> str:
     """One table from the rows of several runs (their <json>.partial.jsonl files, or their JSON
     reports), e.g. a run the --max-minutes cap stopped and a second one on the records after it:
@@ -496,7 +500,7 @@ if __name__ == "__main__":  # python -m engine_sidecar.bench.fidelity OUT.json I
     cli = argparse.ArgumentParser(description="merge bench fidelity rows of several runs into one table")
     cli.add_argument("out", type=Path)
     cli.add_argument("inputs", type=Path, nargs="+")
-    cli.add_argument("--baseline", default="cacheblend:0.15")
+    cli.add_argument("--baseline", default=BASELINE)
     cli.add_argument("--drop", default="", help="comma list of policies to leave out")
     cli.add_argument("--k", type=int, default=4, help="chunks per question of the runs (for the title)")
     cli.add_argument("--max-tokens", type=int, default=32, help="answer tokens of the runs (for the title)")

@@ -16,16 +16,20 @@ ORACLE = "oracle"
 # one `bench fidelity` command puts them beside the baseline they have to beat
 STRONGEST_NEW = ("prophet:0.15:nowindow", "mix:0.15:split")
 
+# the published CacheBlend at 15%: no attention temperature, whatever the engine has fitted
+BASELINE = "cacheblend:0.15:temp1"
+
 # `ragcache calibrate-temperature`'s candidate T (tempT, APE) when none are given
 DEFAULT_TEMPERATURES = "0.95,1,1.05,1.1,1.15,1.2,1.25"
 
 
 def default_fidelity_policies(default: str = DEFAULT_POLICY) -> str:
-    """`bench fidelity`'s --policies when none are given: full, reuse, cacheblend:0.15, the engine's
-    default policy and the strongest new ones, each once (a bare name is its registry default, so
-    'cacheblend' and 'cacheblend:0.15' are one policy), in that order."""
+    """`bench fidelity`'s --policies when none are given: full, reuse, the untempered CacheBlend
+    baseline, the engine's default policy (with the model's calibrated temperature, if any) and the
+    strongest new ones, each once (a bare name is its registry default, so 'epic' and 'epic:16' are
+    one policy), in that order."""
     specs: list[str] = []
-    for spec in ("full", "reuse", "cacheblend:0.15", default, *STRONGEST_NEW):
+    for spec in ("full", "reuse", BASELINE, default, *STRONGEST_NEW):
         if all(parse_policy_spec(spec) != parse_policy_spec(other) for other in specs):
             specs.append(spec)
     return ",".join(specs)

@@ -22,7 +22,9 @@ from rich.table import Table
 
 from engine_sidecar.bench.datasets import chunk_texts, load_dataset
 from engine_sidecar.bench.fidelity import agreement_and_kl, full_reference
+from engine_sidecar.calibration import save_fit
 from engine_sidecar.errors import InvalidPromptError
+from engine_sidecar.fingerprint import weights_fingerprint
 from ragcache_integrations.policy_registry import BY_NAME, TEMP_TAG, PolicySpecError, parse_policy_spec
 from ragcache_integrations.types import ChunkedPrompt
 
@@ -115,6 +117,7 @@ def run_calibrate_temperature(args: argparse.Namespace) -> int:
     console = Console()
     with engine_from_args(args) as engine:
         fit = fit_temperature(engine, prompts, args.policy, temperatures, args.max_tokens)
+        weights_fp = weights_fingerprint(engine.model_dir)
     table = Table(title=f"{args.policy} on {fit.questions} questions of {args.data} from index {args.start}, "
                         "teacher-forced along full prefill's answer")
     for column in ("T", "mean KL vs full", "top-1 agreement"):
@@ -130,4 +133,12 @@ def run_calibrate_temperature(args: argparse.Namespace) -> int:
                    "k": args.k, "max_tokens": args.max_tokens}
         args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
         console.print(f"wrote {args.json}")
+    if getattr(args, "save", False):
+        name = parse_policy_spec(args.policy).name
+        path = save_fit(weights_fp, name, fit.best, {
+            "fitted": f"ragcache calibrate-temperature --policy {args.policy} on {fit.questions} questions of "
+                      f"{args.data} from index {args.start}, k={args.k}, dtype {args.dtype}",
+            "kl": fit.kl, "agreement": fit.agreement})
+        console.print(f"saved T = {fit.best:g} for {name} on this model in {path}: requests with a {name} policy "
+                      f"and no :{TEMP_TAG}T now get it", markup=False)
     return 0
