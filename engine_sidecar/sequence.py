@@ -63,7 +63,8 @@ class Sequence:
         wanted."""
         self.kv, self.stats = kv, stats
         self.text = TextAccumulator(decode, self.sampling.stop)
-        self.stop_ids = frozenset(stop_ids | set(self.sampling.stop_token_ids))
+        eos = set() if self.sampling.ignore_eos else stop_ids
+        self.stop_ids = frozenset(eos | set(self.sampling.stop_token_ids))
         seed = self.sampling.seed
         self.generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         self.decode_started = time.perf_counter()

@@ -102,6 +102,9 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = None
+    # generate past the model's end-of-sequence tokens up to max_tokens, as vLLM's ignore_eos:
+    # load benchmarks use it so every system decodes the same number of tokens
+    ignore_eos: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod

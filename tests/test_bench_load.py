@@ -22,7 +22,7 @@ def test_bench_load_runs_both_engine_systems(tiny_llama_dir, tmp_path):
     run = subprocess.run([sys.executable, "-m", "engine_sidecar.cli", "bench", "load", "--corpus", str(corpus),
                           "--clients", "1,3", "--requests-per-client", "2", "--max-tokens", "4",
                           "--systems", "ragcache,ragcache-1seq", "--model", str(tiny_llama_dir),
-                          "--dtype", "float32", "--json", str(out)],
+                          "--dtype", "float32", "--ignore-eos", "--json", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
@@ -30,7 +30,8 @@ def test_bench_load_runs_both_engine_systems(tiny_llama_dir, tmp_path):
         ("ragcache", 1), ("ragcache-1seq", 1), ("ragcache", 3), ("ragcache-1seq", 3)]
     for row in rows:
         assert row["errors"] == 0 and row["requests"] == 2 * row["clients"]
-        assert row["output_tokens"] > 0 and row["ttft_p50_s"] is not None
+        assert row["ttft_p50_s"] is not None
+        assert row["output_tokens"] == 4 * row["requests"]  # --ignore-eos: every answer runs to max_tokens
     assert "| 3 | ragcache |" in out.with_suffix(".md").read_text()
 
 
@@ -55,7 +56,7 @@ def test_bench_load_serves_vllm_with_and_without_the_connector(smol_dir, tmp_pat
     run = subprocess.run([sys.executable, "-m", "engine_sidecar.cli", "bench", "load", "--corpus", str(corpus),
                           "--clients", "1,3", "--requests-per-client", "2", "--max-tokens", "4", "--pool", "3",
                           "--systems", "vllm-apc,vllm+ragcache", "--model", str(smol_dir),
-                          "--dtype", "float32", "--json", str(out)],
+                          "--dtype", "float32", "--ignore-eos", "--json", str(out)],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -63,4 +64,4 @@ def test_bench_load_serves_vllm_with_and_without_the_connector(smol_dir, tmp_pat
         ("vllm-apc", 1), ("vllm+ragcache", 1), ("vllm-apc", 3), ("vllm+ragcache", 3)]
     for row in rows:
         assert row["errors"] == 0 and row["requests"] == 2 * row["clients"]
-        assert row["output_tokens"] > 0
+        assert row["output_tokens"] == 4 * row["requests"]  # --ignore-eos reaches vLLM too

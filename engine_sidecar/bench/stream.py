@@ -2,12 +2,14 @@
 replays exactly the same stream. Two shapes: `build_stream`, questions drawn with Zipf popularity
 (repeats: an exact prefix cache gets most of the reuse), some of them multi-turn conversations;
 `build_document_stream`, many different questions over one document set (passages recur in new
-combinations and orders: only chunk-level reuse gets it). Retrieval is MiniLM top-k."""
+combinations and orders: only chunk-level reuse gets it); `build_per_document_stream`, the same
+with each question asked of one document of the set. Retrieval is MiniLM top-k."""
 
 from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,14 +115,46 @@ def build_document_stream(corpus: Corpus, requests: int, k: int, documents: int 
     passage_vecs = embed([corpus.passages[i] for i in ids])[[row[pid] for pid in pool]]
     question_vecs = embed(corpus.questions)
     top = np.argsort(-(question_vecs @ passage_vecs.T), axis=1)[:, :k]
+    questions = _question_order(rng, len(corpus.questions))
     stream: list[Request] = []
-    order: list[int] = []
     while len(stream) < requests:
-        if not order:
-            order = list(range(len(corpus.questions)))
-            rng.shuffle(order)
-        q = order.pop()
+        q = next(questions)
         stream.append(Request(corpus.questions[q], tuple(pool[j] for j in top[q]), None, 1))
+    return stream
+
+
+def _question_order(rng: random.Random, count: int) -> Iterator[int]:
+    """Question indices, one seeded shuffle of all of them at a time: none repeats before every
+    question was asked."""
+    while True:
+        order = list(range(count))
+        rng.shuffle(order)
+        while order:
+            yield order.pop()
+
+
+def build_per_document_stream(corpus: Corpus, requests: int, k: int, documents: int = 6,
+                              seed: int = 0) -> list[Request]:
+    """Many questions, each asked of one of a few documents: every request picks one of
+    `documents` records (seeded, uniformly) and the next corpus question of a seeded shuffle, and
+    retrieves that question's top-k passages among the picked record's passages only, as a user
+    chatting with one document (or one collection) at a time. A document's passages come back
+    together in new combinations and orders: the locality a chunk-affinity router can use and an
+    exact prefix cache cannot."""
+    rng = random.Random(seed)
+    picked = rng.sample(range(len(corpus.record_passages)), min(documents, len(corpus.record_passages)))
+    ids = list(corpus.passages)
+    row = {pid: i for i, pid in enumerate(ids)}
+    passage_vecs = embed([corpus.passages[i] for i in ids])
+    question_vecs = embed(corpus.questions)
+    questions = _question_order(rng, len(corpus.questions))
+    stream: list[Request] = []
+    while len(stream) < requests:
+        q = next(questions)
+        pool = corpus.record_passages[rng.choice(picked)]
+        scores = passage_vecs[[row[pid] for pid in pool]] @ question_vecs[q]
+        top = np.argsort(-scores, kind="stable")[:k]
+        stream.append(Request(corpus.questions[q], tuple(pool[j] for j in top), None, 1))
     return stream
 
 

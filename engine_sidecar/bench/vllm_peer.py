@@ -47,10 +47,10 @@ class VllmServer:
         self.client.close()
 
     def complete(self, prompt_ids: list[int], max_tokens: int, cache_salt: str,
-                 kv_transfer_params: dict | None = None) -> VllmResponse:
+                 kv_transfer_params: dict | None = None, ignore_eos: bool = False) -> VllmResponse:
         body = {"model": "peer", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}, "cache_salt": cache_salt,
-                "return_token_ids": True}
+                "return_token_ids": True, "ignore_eos": ignore_eos}
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
         start = time.perf_counter()

@@ -177,6 +177,8 @@ def _body(laid: Laid, sampling: SamplingParams, params: dict[str, Any] | None) -
         body["stop_token_ids"] = sampling.stop_token_ids
     if sampling.seed is not None:
         body["seed"] = sampling.seed
+    if sampling.ignore_eos:
+        body["ignore_eos"] = True
     if laid.tenant:  # vLLM's own prefix cache stays apart per tenant too
         body["cache_salt"] = laid.tenant
     if params is not None:
