@@ -177,6 +177,12 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
     return run_cluster_bench(args)
 
 
+def cmd_bench_route_replay(args: argparse.Namespace) -> int:
+    from engine_sidecar.bench.route_replay import run_route_replay
+
+    return run_route_replay(args)
+
+
 def cmd_bench_prefill(args: argparse.Namespace) -> int:
     from engine_sidecar.bench.prefill import run_prefill
 
@@ -453,6 +459,19 @@ def build_parser() -> argparse.ArgumentParser:
                                            "TTFT p50/p99, max/min replica load, Ray's per-request overhead.")
     add_cluster_bench_arguments(cluster)
     cluster.set_defaults(func=cmd_bench_cluster)
+
+    from engine_sidecar.bench.route_replay import add_route_replay_arguments  # no Ray, no torch
+
+    replay = bench.add_parser("route-replay", help="the cluster stream replayed offline through the router's code "
+                                                   "(a model of the replicas: seconds, no Ray)",
+                              description="Replays `bench cluster`'s seeded stream through the affinity router's own "
+                                          "code against modelled replicas (one LRU RAM tier of 1/N of the working "
+                                          "set each, a queue served at a fixed cost per computed token), for round "
+                                          "robin and every --router-w x --router-slack given: local hit ratio, "
+                                          "computed tokens, load balance, modelled TTFT and the router's decisions. "
+                                          "A model for comparing settings; confirm with `bench cluster`.")
+    add_route_replay_arguments(replay)
+    replay.set_defaults(func=cmd_bench_route_replay)
     return parser
 
 

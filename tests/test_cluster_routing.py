@@ -100,6 +100,22 @@ def test_imbalance_guard_falls_back_to_least_loaded():
     assert decision.ranked[0] == "r1" and decision.reason == "affinity"
 
 
+def test_the_guards_slack_is_at_least_one_request_of_this_size():
+    """A request of ~3,000 tokens: 2,900 tokens of load on its chunks' replica against an idle
+    one is less than one such request more, so affinity stands; with no per-request slack the
+    fixed 1,024 applies and the guard moves it."""
+    big = RouteInfo(tuple(ChunkRef(k, 1000) for k in ("a", "b", "c")), other_tokens=50)
+    r1 = ReplicaView("r1", ram=frozenset("abc"), queued_tokens=2900.0)
+    r2 = ReplicaView("r2")
+    decision = choose(big, [r1, r2], HomeRing())
+    assert decision.ranked[0] == "r1" and decision.reason == "affinity"
+    decision = choose(big, [r1, r2], HomeRing(), RouterParams(load_slack_requests=0.0))
+    assert decision.ranked[0] == "r2" and decision.reason == "imbalance"
+    # past one request's size the guard moves it anyway: 3,100 > 1.5 * 0 + 3,050
+    decision = choose(big, [ReplicaView("r1", ram=frozenset("abc"), queued_tokens=3100.0), r2], HomeRing())
+    assert decision.ranked[0] == "r2" and decision.reason == "imbalance"
+
+
 def test_no_chunks_go_to_the_least_loaded():
     r1, r2 = ReplicaView("r1", queued_tokens=300.0), ReplicaView("r2", queued_tokens=10.0)
     decision = choose(RouteInfo((), 40), [r1, r2], HomeRing())

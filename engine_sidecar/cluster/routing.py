@@ -14,7 +14,8 @@ chunk wherever it lands in the prompt.
 Ties, and requests whose chunks no replica has seen, go to the consistent-hash home of the request's
 largest chunk, so the first replica to compute a chunk is the one the next request with it goes to.
 An imbalance guard sends the request to the least loaded replica when the chosen one's load would be
-more than `imbalance` times the smallest (a hot document must not pin one replica while others idle).
+more than `imbalance` times the smallest plus a slack of about one request of this size (a hot
+document must not pin one replica while others idle, but one request more is not an imbalance).
 
 Token counts are estimates from text length (the router never tokenizes: ~4 UTF-8 bytes per token
 for the BPE tokenizers this engine serves); they only need to rank replicas.
@@ -150,6 +151,10 @@ class RouterParams:
     # more on the best replica is not an imbalance (without it an idle replica, load 0, would
     # take every request that arrives while the chunks' replica is busy, and affinity would be gone)
     load_slack_tokens: float = 1024.0
+    # ... and at least this many of the request's own prompts (its estimated tokens): a fixed
+    # slack below one request's size let the guard scatter a document's chunks over every
+    # replica while they were first computed, and the router never gathered them again
+    load_slack_requests: float = 1.0
     decay: float = 0.9  # recent work is multiplied by this at every routed request (~10-request memory)
 
 
@@ -228,7 +233,8 @@ def choose(route: RouteInfo, replicas: list[ReplicaView], ring: HomeRing,
         chosen = min(tied, key=lambda n: rank_of[n])
         reason = "tie-home" if len(tied) > 1 else "affinity"
     least = min(names, key=lambda n: (loads[n], scores[n], rank_of[n]))
-    if loads[chosen] > params.imbalance * loads[least] + params.load_slack_tokens:
+    slack = max(params.load_slack_tokens, params.load_slack_requests * route.tokens)
+    if loads[chosen] > params.imbalance * loads[least] + slack:
         chosen, reason = least, "imbalance"
     rest = sorted((n for n in names if n != chosen), key=lambda n: (scores[n], rank_of[n]))
     return Decision((chosen, *rest), reason, scores, work)
