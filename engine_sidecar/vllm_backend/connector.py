@@ -187,6 +187,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.ram_cache_bytes = int(float(extra.get("ram_cache_gb", 2.0)) * (1 << 30))
         self.stats_path = extra.get("stats_path")
+        self.fused_temperature = extra.get("fused_temperature", "auto")
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._resident: set[str] = set()  # residency keys the workers reported stored
@@ -392,7 +393,8 @@ class RagcacheConnector(KVConnectorBase_V1):
                 if dtype is None:
                     raise RuntimeError(f"ragcache's vLLM connector needs float32 or bfloat16 KV, not {self.dtype}")
                 self._engine = Engine.from_pretrained(self.model_dir, device="cpu", dtype=dtype, disk=False,
-                                                      ram_cache_bytes=self.ram_cache_bytes)
+                                                      ram_cache_bytes=self.ram_cache_bytes,
+                                                      fused_temperature=self.fused_temperature)
             return self._engine
 
 

@@ -84,11 +84,13 @@ def slot_mapping(block_ids: list[int], block_size: int, start: int, end: int) ->
     return [block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
 
 
-def connector_config(ram_cache_gb: float = 2.0, stats_path: str | None = None) -> dict[str, Any]:
+def connector_config(ram_cache_gb: float = 2.0, stats_path: str | None = None,
+                     fused_temperature: str | float = "auto") -> dict[str, Any]:
     """The `kv_transfer_config` that loads this connector. `stats_path`: a file the worker appends
     one JSON line of ragcache stats to per request (streamed responses carry no
-    `kv_transfer_params`, so a benchmark reads them there)."""
-    extra: dict[str, Any] = {"ram_cache_gb": ram_cache_gb}
+    `kv_transfer_params`, so a benchmark reads them there). `fused_temperature`: the worker
+    engine's setting of that name (docs/configuration.md)."""
+    extra: dict[str, Any] = {"ram_cache_gb": ram_cache_gb, "fused_temperature": fused_temperature}
     if stats_path:
         extra["stats_path"] = stats_path
     # a load that fails is recomputed by vLLM (its default fails the request)
