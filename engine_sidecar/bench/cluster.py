@@ -281,7 +281,8 @@ def idle(base: str, bodies: list[dict[str, Any]], result: SystemResult) -> None:
             result.idle_overhead_s.append(sample.ttft_client_s - sample.ttft_engine_s)
 
 
-def add_cluster_bench_arguments(p: argparse.ArgumentParser) -> None:
+def add_stream_arguments(p: argparse.ArgumentParser) -> None:
+    """The stream's flags, shared with `bench route-replay` so both replay the same stream."""
     p.add_argument("--corpus", default="../shared/data/musique_s.json",
                    help="musique_s.json-style records (default ../shared/data/musique_s.json)")
     p.add_argument("--requests", type=int, default=200, help="requests in the stream (default 200)")
@@ -293,6 +294,11 @@ def add_cluster_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=4, help="passages per request (default 4)")
     p.add_argument("--passage-chars", type=int, default=0,
                    help="cut each passage to this many characters (default 0: whole passages)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_cluster_bench_arguments(p: argparse.ArgumentParser) -> None:
+    add_stream_arguments(p)
     p.add_argument("--replicas", type=int, default=3, help="engine replicas (default 3)")
     p.add_argument("--clients", type=int, default=3, help="closed-loop clients (default 3)")
     p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma list of {', '.join(ROUTERS)} (default both)")
@@ -311,5 +317,4 @@ def add_cluster_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-requests", type=int, default=10,
                    help="sequential requests after the run, for Ray's overhead with nothing queued (default 10)")
     p.add_argument("--port", type=int, default=18808, help="Serve's HTTP port (default 18808)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write results JSON (and a .md table) here")

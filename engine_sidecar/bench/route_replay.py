@@ -196,16 +196,9 @@ def run_route_replay(args: argparse.Namespace) -> int:
 
 
 def add_route_replay_arguments(p: argparse.ArgumentParser) -> None:
-    from engine_sidecar.bench.cluster import RETRIEVALS
+    from engine_sidecar.bench.cluster import add_stream_arguments
 
-    p.add_argument("--corpus", default="../shared/data/musique_s.json",
-                   help="musique_s.json-style records (default ../shared/data/musique_s.json)")
-    p.add_argument("--requests", type=int, default=200, help="requests in the stream (default 200)")
-    p.add_argument("--documents", type=int, default=3, help="records whose passages form the document set (default 3)")
-    p.add_argument("--retrieval", choices=RETRIEVALS, default="pooled",
-                   help="pooled (default) or per-document, as for `bench cluster`")
-    p.add_argument("--k", type=int, default=4, help="passages per request (default 4)")
-    p.add_argument("--passage-chars", type=int, default=0, help="cut each passage to this many characters (default 0)")
+    add_stream_arguments(p)
     p.add_argument("--replicas", type=int, default=3, help="replicas (default 3)")
     p.add_argument("--clients", type=int, default=3, help="closed-loop clients (default 3)")
     p.add_argument("--router-w", default=str(RouterParams.w), help="comma list of w to try (default the router's)")
@@ -214,5 +207,4 @@ def add_route_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-slack-requests", default=str(RouterParams.load_slack_requests),
                    help="comma list of the guard's slack in the request's own prompts to try (default the router's)")
     p.add_argument("--model", default="default", help="model folder whose tokenizer counts tokens (default SmolLM2)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write results JSON (and a .md table) here")
