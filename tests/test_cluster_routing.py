@@ -103,17 +103,21 @@ def test_imbalance_guard_falls_back_to_least_loaded():
 def test_the_guards_slack_is_at_least_one_request_of_this_size():
     """A request of ~3,000 tokens: 2,900 tokens of load on its chunks' replica against an idle
     one is less than one such request more, so affinity stands; with no per-request slack the
-    fixed 1,024 applies and the guard moves it."""
+    fixed 1,024 applies and the guard moves it. (The default is 1.5 requests; 1 is set here.)"""
     big = RouteInfo(tuple(ChunkRef(k, 1000) for k in ("a", "b", "c")), other_tokens=50)
     r1 = ReplicaView("r1", ram=frozenset("abc"), queued_tokens=2900.0)
     r2 = ReplicaView("r2")
-    decision = choose(big, [r1, r2], HomeRing())
+    one = RouterParams(load_slack_requests=1.0)
+    decision = choose(big, [r1, r2], HomeRing(), one)
     assert decision.ranked[0] == "r1" and decision.reason == "affinity"
     decision = choose(big, [r1, r2], HomeRing(), RouterParams(load_slack_requests=0.0))
     assert decision.ranked[0] == "r2" and decision.reason == "imbalance"
     # past one request's size the guard moves it anyway: 3,100 > 1.5 * 0 + 3,050
-    decision = choose(big, [ReplicaView("r1", ram=frozenset("abc"), queued_tokens=3100.0), r2], HomeRing())
+    loaded = ReplicaView("r1", ram=frozenset("abc"), queued_tokens=3100.0)
+    decision = choose(big, [loaded, r2], HomeRing(), one)
     assert decision.ranked[0] == "r2" and decision.reason == "imbalance"
+    # the default, 1.5 requests, keeps it there: 3,100 <= 4,575
+    assert choose(big, [loaded, r2], HomeRing()).ranked[0] == "r1"
 
 
 def test_no_chunks_go_to_the_least_loaded():

