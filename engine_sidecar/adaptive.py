@@ -115,7 +115,7 @@ def measure_costs(engine, text: str, work_dir: Path, repeats: int = 3) -> TokenC
     tier = DiskTier(work_dir)
     for i in range(repeats):
         start = time.perf_counter()
-        entry = engine.compute_chunk_kv(seg, prefix, tenant="calibrate")
+        entry = engine.precompute.compute_chunk_kv(seg, prefix, tenant="calibrate")
         compute = min(compute, (time.perf_counter() - start) / n)
         start = time.perf_counter()
         torch.cat([entry.keys.clone(), entry.values.clone()])

@@ -66,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_warm(args: argparse.Namespace) -> int:
     texts = [Path(f).read_text(encoding="utf-8") for f in args.chunk_file]
     with engine_from_args(args) as engine:
-        print(f"precomputed {engine.warm(texts)} of {len(texts)} chunks")
+        print(f"precomputed {engine.warm(texts, neighbours=args.neighbours)} of {len(texts)} chunks")
     return 0
 
 
@@ -226,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     warm = sub.add_parser("warm", help="precompute chunk KV into the cache")
     warm.add_argument("chunk_file", nargs="+", help="files, one chunk each")
+    warm.add_argument("--neighbours", type=int, default=0,
+                      help="compute each chunk after the template prefix and its N most similar chunks of the "
+                           "given files (TF-IDF over token ids), kept as KV fusion prefers: closer to full "
+                           "prefill than KV computed alone (default 0: alone; at most 8)")
     add_engine_arguments(warm)
     warm.set_defaults(func=cmd_warm)
 
@@ -327,12 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--follow-up", action="store_true",
                      help="measure turn 2 of a conversation per policy: each question, then the next record's "
                           "question over its own passages in the same conversation")
-    fid.add_argument("--chunk-kv", choices=["precomputed", "in-context"], default="precomputed",
-                     help="where the reused chunk KV comes from: precomputed by `warm` (per --convention), or "
+    fid.add_argument("--chunk-kv", choices=["precomputed", "in-context", "neighbours"], default="precomputed",
+                     help="where the reused chunk KV comes from: precomputed by `warm` (per --convention); "
                           "computed in place by an earlier request holding the same chunks in another order "
-                          "(last chunk first), as misses are on a live stream. Either way, KV an earlier "
-                          "question's request computed in place for a recurring passage is preferred over a "
-                          "precomputed copy (the engine's own order of lookups)")
+                          "(last chunk first), as misses are on a live stream; or `neighbours`: warmed after the "
+                          "--neighbours passages most like it among all passages of the --n records (`warm "
+                          "--neighbours`, FusionRAG-style). KV an earlier question's request computed in place "
+                          "for a recurring passage is preferred over a precomputed copy (the engine's own order of "
+                          "lookups)")
+    fid.add_argument("--neighbours", type=int, default=2,
+                     help="with --chunk-kv neighbours: passages each chunk is warmed after (default 2)")
     fid.add_argument("--no-divergence", action="store_true",
                      help="skip the per-layer divergence report (the last prompt token's hidden state per layer vs "
                           "full prefill's, taken during the teacher-forced pass at no extra prefill)")

@@ -47,7 +47,7 @@ from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.entry import CacheKey, ChunkKV
 from engine_sidecar.store.redis_tier import RedisTier
 from engine_sidecar.turn_history import conversation_after_turn
-from engine_sidecar.warm import warm_chunks
+from engine_sidecar.warm import Pool, warm_chunks
 from ragcache_integrations.types import (
     Chunk,
     ChunkedPrompt,
@@ -112,12 +112,10 @@ class Engine:
         return self.runner.config.max_position_embeddings
 
     # --- precompute --------------------------------------------------------------------------
-    def warm(self, chunks: list[Chunk | str], system: str | None = None, tenant: str = "") -> int:
-        """Precompute and store KV for chunks not cached yet; returns how many were computed."""
-        return warm_chunks(self.builder, self.prep, self.precompute, chunks, system, tenant)
-
-    def compute_chunk_kv(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> ChunkKV:
-        return self.precompute.compute_chunk_kv(chunk_seg, prefix, tenant)
+    def warm(self, chunks: list[Chunk | str], system: str | None = None, tenant: str = "", neighbours: int = 0,
+             pool: Pool = None) -> int:
+        """Precompute KV for chunks not cached yet (alone, or after `neighbours` passages: warm.py)."""
+        return warm_chunks(self.builder, self.prep, self.precompute, chunks, system, tenant, neighbours, pool)
 
     def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
         return self.precompute.precompute_chunk(chunk_seg, prefix, tenant)

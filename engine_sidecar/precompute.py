@@ -1,5 +1,6 @@
-"""Chunk KV computed alone, outside any request: `warm`, `precompute=inline` misses (on the
-request's path) and `precompute=background` misses (on a worker thread after the request)."""
+"""Chunk KV computed outside any request: alone (`warm`, `precompute=inline` misses on the
+request's path, `precompute=background` misses on a worker thread after the request), or after
+its nearest passages (`warm --neighbours`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from engine_sidecar.executor import fused_prefill
 from engine_sidecar.keys import KeyFactory
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.plan import FusionPlan, PlanSpan
+from engine_sidecar.planner import IN_CONTEXT
 from engine_sidecar.policies import ReusePolicy
 from engine_sidecar.prompt import Segment
 from engine_sidecar.store.chunk_store import ChunkStore
@@ -57,6 +59,26 @@ class Precomputer:
             if self.store.contains(key):
                 return False
             self.store.put(key, self.compute_chunk_kv(seg, prefix, tenant))
+        return True
+
+    def warm_after_neighbours(self, seg: Segment, prefix: Segment, neighbours: list[Segment], tenant: str) -> bool:
+        """The chunk computed after the template prefix and `neighbours`, kept as its in-context
+        entry (the KV fusion prefers): what a request retrieving it with them would compute."""
+        key = self.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT)
+        with self._lock:
+            if self.store.contains(key):
+                return False
+            cached = self.store.get(self.keys.for_tokens(prefix.token_ids, tenant, "exact"))
+            spans = [PlanSpan("prefix", 0, prefix.token_ids, "exact" if cached else "fresh", cached)]
+            for other in [*neighbours, seg]:
+                spans.append(PlanSpan("chunk", spans[-1].end, other.token_ids, "fresh", chunk_id=other.chunk_id))
+            result = fused_prefill(self.runner, FusionPlan(spans, "precompute"), ReusePolicy(), need_logits=False)
+            if cached is None:
+                self.writer.store_span(result.kv, spans[0], tenant, "exact")
+            # no "chain": the passages before it are not the request's, so it is never reused exactly
+            meta = {"context": IN_CONTEXT, "start": str(spans[-1].start), "warmed": "neighbours",
+                    "after_chunks": ",".join(n.chunk_id or "" for n in neighbours)}
+            self.writer.store_span(result.kv, spans[-1], tenant, IN_CONTEXT, meta)
         return True
 
     def _background_loop(self) -> None:

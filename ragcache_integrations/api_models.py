@@ -125,6 +125,10 @@ class WarmRequest(_Body):
     chunks: list[Chunk]
     system: str | None = Field(default=None, description="System prompt the chunks will be used with")
     tenant: str | None = _tenant_field()
+    neighbours: int = Field(default=0, ge=0, le=8, description=(
+        "Compute each chunk after the template prefix and its N most similar chunks of this request "
+        "(TF-IDF over token ids) instead of alone; fusion prefers that KV, and it is closer to full "
+        "prefill's (docs/benchmarks.md). 0: each chunk alone. Not available with --engine vllm"))
 
     _strings = field_validator("chunks", mode="before")(classmethod(lambda cls, v: _chunks_from_strings(v)))
 

@@ -110,8 +110,8 @@ def _generate_body(prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict
     return request.model_dump(mode="json", exclude_none=True)
 
 
-def _warm_body(chunks: list[Chunk | str], system: str | None) -> dict[str, Any]:
-    return WarmRequest(chunks=chunks, system=system).model_dump(mode="json", exclude_none=True)
+def _warm_body(chunks: list[Chunk | str], system: str | None, neighbours: int = 0) -> dict[str, Any]:
+    return WarmRequest(chunks=chunks, system=system, neighbours=neighbours).model_dump(mode="json", exclude_none=True)
 
 
 def _chat_body(messages: list[dict[str, Any]], chunks: list[Chunk | dict | str] | None,
@@ -300,8 +300,11 @@ class RagCacheClient:
             response.close()
         self.last_result = state.result()
 
-    def warm(self, chunks: list[Chunk | str], system: str | None = None, tenant: str | None = None) -> WarmResponse:
-        body = _warm_body(chunks, system)
+    def warm(self, chunks: list[Chunk | str], system: str | None = None, tenant: str | None = None,
+             neighbours: int = 0) -> WarmResponse:
+        """Precompute chunks' KV; `neighbours` > 0 computes each after its most similar chunks of
+        this call (closer to full prefill when they are later retrieved together)."""
+        body = _warm_body(chunks, system, neighbours)
         return WarmResponse.model_validate(
             self._json("POST", "/v1/chunks/warm", json=body, headers=_tenant(tenant)))
 
@@ -417,8 +420,8 @@ class AsyncRagCacheClient:
         self.last_result = state.result()
 
     async def warm(self, chunks: list[Chunk | str], system: str | None = None,
-                   tenant: str | None = None) -> WarmResponse:
-        body = _warm_body(chunks, system)
+                   tenant: str | None = None, neighbours: int = 0) -> WarmResponse:
+        body = _warm_body(chunks, system, neighbours)
         return WarmResponse.model_validate(
             await self._json("POST", "/v1/chunks/warm", json=body, headers=_tenant(tenant)))
 

@@ -136,3 +136,33 @@ def test_merge_partials_pools_runs_pairs_per_question_and_drops_text_of_mixed_ru
     empty.write_text("")
     with pytest.raises(InvalidPromptError, match="no rows"):
         merge_partials([empty])
+
+
+def test_neighbours_mode_warms_every_chunk_after_its_neighbours_and_pairs_with_a_precomputed_run(tiny_llama_dir,
+                                                                                                 tmp_path):
+    from engine_sidecar.bench.paired_runs import main as pair_main
+
+    args = ("--n", "3", "--k", "3", "--no-generate", "--policies", "full,reuse,cacheblend:0.15:temp1")
+    nb = run_bench(tiny_llama_dir, tmp_path / "nb.json", *args, "--chunk-kv", "neighbours", "--neighbours", "1")
+    pre = run_bench(tiny_llama_dir, tmp_path / "pre.json", *args)
+    assert nb["config"]["chunk_kv"] == "neighbours" and nb["config"]["neighbours"] == 1
+    assert "(1 neighbours)" in (tmp_path / "nb.md").read_text()
+    # the same questions and full-prefill answers; only the reused KV differs
+    assert [r["policies"]["full"]["token_ids"] for r in nb["rows"]] == [
+        r["policies"]["full"]["token_ids"] for r in pre["rows"]]
+    assert any(abs(a["policies"]["reuse"]["tf_kl"] - b["policies"]["reuse"]["tf_kl"]) > 1e-6
+               for a, b in zip(nb["rows"], pre["rows"], strict=True))
+    out = tmp_path / "paired.json"
+    assert pair_main([str(out), f"pre={tmp_path / 'pre.json'}", f"nb={tmp_path / 'nb.json'}",
+                      "--baseline", "cacheblend:0.15:temp1@pre"]) == 0
+    paired = json.loads(out.read_text())
+    assert paired["config"]["n"] == 3 and paired["config"]["left_out"] == 0
+    assert set(paired["policies"]) == {"full", "reuse@pre", "cacheblend:0.15:temp1@pre", "reuse@nb",
+                                       "cacheblend:0.15:temp1@nb"}
+    delta = paired["policies"]["reuse@nb"]["tf_agreement_delta"]
+    diffs = [a["policies"]["reuse"]["tf_agreement"] - b["policies"]["cacheblend:0.15:temp1"]["tf_agreement"]
+             for a, b in zip(nb["rows"], pre["rows"], strict=True)]
+    assert delta["vs"] == "cacheblend:0.15:temp1@pre" and delta["mean"] == pytest.approx(sum(diffs) / 3)
+    assert pair_main([str(out), f"pre={tmp_path / 'pre.json'}", "--baseline", "x@pre"]) == 2  # one run only
+    assert pair_main([str(out), f"pre={tmp_path / 'pre.json'}", f"nb={tmp_path / 'nb.json'}",
+                      "--baseline", "nothing@pre"]) == 2

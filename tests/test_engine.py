@@ -58,7 +58,7 @@ def test_chunk_at_position_zero_reproduces_fresh_compute(tiny_engine):
     chunk = tiny_engine.builder.chunk_segment(prompt().chunks[0])
     question = tiny_engine.builder.encode("Where does it flow?")
     # the isolated convention computes a chunk alone at position 0: exactly this placement
-    kv = tiny_engine.compute_chunk_kv(chunk, tiny_engine.builder.prefix_segment("s"), "")
+    kv = tiny_engine.precompute.compute_chunk_kv(chunk, tiny_engine.builder.prefix_segment("s"), "")
     n = len(chunk.token_ids)
     plan = FusionPlan([PlanSpan("chunk", 0, chunk.token_ids, "fuse", kv),
                        PlanSpan("question", n, question, "fresh")], "reuse")

@@ -177,6 +177,8 @@ def test_warm_plain_chat_follow_up_turn_and_operator_routes(sidecar):
     assert warm == {"chunks": 1, "computed": 1}
     again = httpx.post(sidecar.base + "/v1/chunks/warm", json={"chunks": [chunk], "tenant": "ops"}, timeout=300).json()
     assert again == {"chunks": 1, "computed": 0}  # the connector holds it now
+    nearby = httpx.post(sidecar.base + "/v1/chunks/warm", json={"chunks": [chunk], "neighbours": 1}, timeout=30)
+    assert nearby.status_code == 422 and nearby.json()["error"]["code"] == "neighbours_unsupported_by_engine"
     turn = {"chunks": [chunk], "question": "How do owls hunt?", "conversation_id": "c1"}
     assert generate(sidecar, {"prompt": turn, "sampling": {"max_tokens": 6}}, tenant="ops")["stats"]["chunk_hits"] == 1
     follow = generate(sidecar, {"prompt": {**turn, "question": "And at what time?"}, "sampling": {"max_tokens": 6}},

@@ -159,6 +159,21 @@ def test_warm_stats_and_delete(client):
     assert after.ram_entries == 0 and after.disk_entries == 0
 
 
+def test_warm_after_neighbours_over_http(client, server):
+    passages = ["The Rhine flows from the Swiss Alps to the North Sea through Germany.",
+                "The Rhone flows from the Swiss Alps to the Mediterranean through France.",
+                "Basalt is a dark volcanic rock formed from rapidly cooled lava."]
+    assert client.warm(passages, tenant="nbco", neighbours=2).computed == 3
+    assert client.warm(passages, tenant="nbco", neighbours=2).computed == 0  # kept
+    stats = client.generate(ChunkedPrompt(chunks=passages[::-1], question="Where does the Rhine end?"),
+                            {"max_tokens": 2}, tenant="nbco").stats
+    assert (stats.chunk_hits, stats.chunk_misses) == (3, 0)
+    for bad in (-1, 9, "two"):
+        response = httpx.post(server.base + "/v1/chunks/warm", json={"chunks": passages, "neighbours": bad}, headers=AUTH,
+                                  timeout=30)
+        assert response.status_code == 422 and response.json()["error"]["field"].endswith("neighbours")
+
+
 def test_tenants_do_not_share_chunk_caches(client):
     passage = "The Atacama Desert in Chile is among the driest places on Earth."
     client.warm([passage], tenant="acme")

@@ -29,6 +29,7 @@ from engine_sidecar.bench.report import write_report
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.policies import GatePolicy, Policy, parse_policy
+from engine_sidecar.warm import neighbour_index
 from ragcache_integrations.types import ChunkedPrompt, SamplingParams
 
 
@@ -49,10 +50,12 @@ def rotated(chunks: list[str]) -> list[str]:
 
 
 def prepare_chunks(engine: Any, record: dict[str, Any], k: int, policies: list[str],
-                   chunk_kv: str = "precomputed") -> None:
+                   chunk_kv: str = "precomputed", neighbours: tuple[int, Any] = (0, None)) -> None:
     # warmed per question (not all up front) so a RAM tier smaller than the whole set cannot
     # turn a policy's lookups into misses
-    if chunk_kv == "in-context":
+    if chunk_kv == "neighbours":
+        engine.warm(chunk_texts(record, k), neighbours=neighbours[0], pool=neighbours[1])
+    elif chunk_kv == "in-context":
         # misses computed in place by a request with the chunks in another order: the KV a live
         # stream leaves behind (the question then reuses it in its own order, fused)
         engine.generate(ChunkedPrompt(chunks=rotated(chunk_texts(record, k)), question=record["question"]),
@@ -112,6 +115,11 @@ def run_fidelity(args: argparse.Namespace) -> int:
         # would be stored in place here and reused exactly by its question
         engine.generate(ChunkedPrompt(chunks=["A warm-up passage, not part of any record."], question="warm-up"),
                         {"max_tokens": 2}, policy="full")
+        neighbours: tuple[int, Any] = (0, None)
+        if getattr(args, "chunk_kv", "precomputed") == "neighbours":
+            # the corpus: every passage of the measured records, not only the K each question uses
+            corpus = [text for rec in records for text in chunk_texts(rec, len(rec["ctxs"]))]
+            neighbours = (args.neighbours, neighbour_index(engine.builder, corpus))
         for i, record in enumerate(track(records, description="answering", console=console)):
             follow = records[i + 1] if args.follow_up and i + 1 < len(records) else None
             if args.follow_up and follow is None:
@@ -120,7 +128,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
                 console.print(f"--max-minutes reached after {len(rows)} questions")
                 break
             for rec in (record, follow) if follow is not None else (record,):
-                prepare_chunks(engine, rec, args.k, policies, getattr(args, "chunk_kv", "precomputed"))
+                prepare_chunks(engine, rec, args.k, policies, getattr(args, "chunk_kv", "precomputed"), neighbours)
             prompt = ChunkedPrompt(chunks=chunk_texts(record, args.k), question=record["question"])
             measured = follow or record
             row: dict[str, Any] = {"index": i, "question": measured["question"],
@@ -173,6 +181,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
               "follow_up": bool(args.follow_up),
               "model": str(args.model), "dtype": args.dtype, "device": args.device, "policies": policies,
               "convention": args.convention, "chunk_kv": getattr(args, "chunk_kv", "precomputed"),
+              "neighbours": args.neighbours if getattr(args, "chunk_kv", "") == "neighbours" else None,
               "noise_floor": noise_name, "generated": not no_generate, "n_requested": args.n,
               "max_minutes": getattr(args, "max_minutes", None)}
     transformers_times = [r["transformers_prefill_s"] for r in rows if "transformers_prefill_s" in r]
@@ -385,7 +394,8 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
     turn = "; turn 2 of a two-turn conversation (the next record's question)" if config.get("follow_up") else ""
     lines = [
         f"fidelity: {config['n']} questions, {config['k']} chunks each, {config['max_tokens']} tokens, "
-        f"model {config['model']}, chunk KV {config.get('chunk_kv', 'precomputed')}{turn}",
+        f"model {config['model']}, chunk KV {config.get('chunk_kv', 'precomputed')}"
+        f"{f' ({n} neighbours)' if (n := config.get('neighbours')) else ''}{turn}",
         "",
         "| policy | EM | F1 | ROUGE-L vs full (95% CI) | first-token agreement | TTFT median (s) | TTFT vs full "
         "| computed | recompute share |",

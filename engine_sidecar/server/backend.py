@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from engine_sidecar.sequence import GenerationStream
+from engine_sidecar.warm import neighbour_index
 from ragcache_integrations.api_models import CacheStats
 from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, SamplingParams
 
@@ -50,7 +51,10 @@ class ServingBackend(Protocol):
 
     def chat(self, messages: list[dict[str, str]], sampling: SamplingParams, tenant: str) -> Iterator[Event]: ...
 
-    def warm(self, chunks: list[Chunk], system: str | None, tenant: str) -> int: ...
+    def warm(self, chunks: list[Chunk], system: str | None, tenant: str, neighbours: int = 0,
+             pool: Any = None) -> int: ...
+
+    def neighbour_pool(self, chunks: list[Chunk], neighbours: int) -> Any: ...  # ApiError: warm cannot use them
 
     def clear_cache(self, chunk_id: str | None, tenant: str | None) -> int: ...
 
@@ -106,8 +110,12 @@ class EngineBackend:
     def chat(self, messages: list[dict[str, str]], sampling: SamplingParams, tenant: str) -> Iterator[Event]:
         return stream_events(self.engine.stream_chat(messages, sampling, tenant))
 
-    def warm(self, chunks: list[Chunk], system: str | None, tenant: str) -> int:
-        return self.engine.warm(list(chunks), system, tenant)
+    def warm(self, chunks: list[Chunk], system: str | None, tenant: str, neighbours: int = 0,
+             pool: Any = None) -> int:
+        return self.engine.warm(list(chunks), system, tenant, neighbours, pool)
+
+    def neighbour_pool(self, chunks: list[Chunk], neighbours: int) -> Any:
+        return (lambda: neighbour_index(self.engine.builder, chunks)) if neighbours else (lambda: None)
 
     def clear_cache(self, chunk_id: str | None, tenant: str | None) -> int:
         return self.engine.clear_cache(chunk_id, tenant)

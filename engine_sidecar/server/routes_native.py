@@ -68,10 +68,14 @@ def native_router(ctx: ServerContext) -> APIRouter:
         check_chunks(body.chunks, settings)
         chunks = scope_chunks(body.chunks, tenant)
 
+        make_pool = backend.neighbour_pool(chunks, body.neighbours)  # an unsupported engine says so here
+
         def make() -> Iterator[int]:
-            # one chunk at a time, so a disconnect or the deadline stops between chunks
+            # the pool once (tokenizing every chunk, off the event loop), then one chunk at a time,
+            # so a disconnect or the deadline stops between chunks
+            pool = make_pool()
             for chunk in chunks:
-                yield backend.warm([chunk], body.system, tenant)
+                yield backend.warm([chunk], body.system, tenant, body.neighbours, pool)
 
         if not chunks:
             return WarmResponse(chunks=0, computed=0)

@@ -82,7 +82,14 @@ class VllmBackend:
         ids = self.layout.builder.build_chat(messages).token_ids
         return self._complete(Laid(ids, None, tenant), sampling, None, "full", t0)
 
-    def warm(self, chunks: list[Chunk], system: str | None, tenant: str) -> int:
+    def neighbour_pool(self, chunks: list[Chunk], neighbours: int) -> Any:
+        if not neighbours:
+            return lambda: None
+        raise ApiError(422, "neighbours: warming after neighbours is not available with --engine vllm (vLLM "
+                            "computes the chunks here); leave it at 0", "neighbours", "neighbours_unsupported_by_engine")
+
+    def warm(self, chunks: list[Chunk], system: str | None, tenant: str, neighbours: int = 0,
+             pool: Any = None) -> int:
         """Through the connector: each chunk in a one-token request of its own, so vLLM computes
         it and the connector keeps it (in context, after the template prefix). Returns how many
         were computed (not held by the connector already)."""
