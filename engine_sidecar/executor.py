@@ -20,7 +20,7 @@ from engine_sidecar.plan import FusionPlan
 from engine_sidecar.policies import LayerView, Policy
 from engine_sidecar.prefetch import LayerPrefetcher, PrefetchTimes
 from engine_sidecar.prophet import ReusedKV
-from engine_sidecar.store.entry import ChunkKV
+from engine_sidecar.store.entry import ChunkKV, computed_in_context
 from ragcache_kernels import dispatch
 from ragcache_kernels.rope import apply_rope
 
@@ -101,14 +101,16 @@ def fused_prefill(
             has_cache[span.start : span.end] = True
     load_s = time.perf_counter() - load_started
     fused = torch.zeros(n, dtype=torch.bool)
+    tempered = torch.zeros(n, dtype=torch.bool)  # the fused rows `tempT` scales
     for span in plan.spans:
         if span.mode == "fuse":
             fused[span.start : span.end] = True
+            tempered[span.start : span.end] = is_tempered(span.cached, policy)
 
     lazy = any(s.cached is not None and s.cached.reader is not None and s.mode != "fresh" for s in plan.spans)
     # `tempT`: the fused chunks' cached keys are scaled by 1/T once rotated, which divides every
     # query's logits on them by T (RoPE is linear); rows recomputed on a layer are overwritten there
-    key_scale = 1.0 / policy.temperature if policy.temperature != 1.0 and bool(fused.any()) else None
+    key_scale = 1.0 / policy.temperature if policy.temperature != 1.0 and bool(tempered.any()) else None
     reused = None
     if bool(has_cache.any()) and not lazy:
         # every layer's cached keys rotated to their new positions in one pass; per layer only the
@@ -116,7 +118,7 @@ def fused_prefill(
         kv.keys[:, :n] = apply_rope(kv.keys_pre[:, :n], cos, sin)
         if key_scale is not None:
             for span in plan.spans:
-                if span.mode == "fuse":
+                if span.mode == "fuse" and is_tempered(span.cached, policy):
                     kv.keys[:, span.start : span.end].mul_(key_scale)
         # a question probe reads them here rather than copying and rotating them once more
         reused = ReusedKV(kv.keys[:, :n], kv.values[:, :n])
@@ -141,7 +143,7 @@ def fused_prefill(
         if active.numel() == 0:  # every token reused exactly (a prefix-only run): the cached KV stands
             if lazy:
                 dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n])
-                temper_stale_rows(kv.keys[layer, :n], fused, active, key_scale)
+                temper_stale_rows(kv.keys[layer, :n], tempered, active, key_scale)
             continue
         qkv = runner.qkv(layer, hidden)
         keep = policy.refine(
@@ -160,7 +162,7 @@ def fused_prefill(
         dispatch.scatter_rows(kv.values[layer], active, qkv.v)
         if lazy:
             dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n])
-            temper_stale_rows(kv.keys[layer, :n], fused, active, key_scale)
+            temper_stale_rows(kv.keys[layer, :n], tempered, active, key_scale)
         elif dense:
             kv.keys[layer, :n] = apply_rope(qkv.k, cos_a, sin_a)
         else:
@@ -182,6 +184,12 @@ def fused_prefill(
     prefetched = prefetcher.finish()
     return PrefillResult(logits, kv, token_layers, recomputed, int(fused.sum()), load_s, loaded,
                          prefetcher.times if prefetcher else None, prefetched)
+
+
+def is_tempered(cached: ChunkKV | None, policy: Policy) -> bool:
+    """Whether `tempT` scales this fused chunk's keys: always under a spec's own tempT; under the
+    model's calibrated T only KV computed alone."""
+    return policy.temperature != 1.0 and (policy.temper_in_context or cached is None or not computed_in_context(cached))
 
 
 def temper_stale_rows(keys: torch.Tensor, fused: torch.Tensor, active: torch.Tensor, scale: float | None) -> None:

@@ -8,6 +8,7 @@ from engine_sidecar.adaptive import CostMeter
 from engine_sidecar.commit import ReuseWriter
 from engine_sidecar.conversation import ConversationStore
 from engine_sidecar.engine_config import EngineConfig
+from engine_sidecar.executor import is_tempered
 from engine_sidecar.planner import PlannedRequest, Planner
 from engine_sidecar.policies import CacheCraftPolicy, Policy
 from engine_sidecar.store.chunk_store import ChunkStore
@@ -38,8 +39,12 @@ class PlanStage:
                                         self.config.conversations.dedup)
         finally:
             self.lazy_reads = False
-        if policy.temperature != 1.0 and any(span.mode == "fuse" for span in planned.plan.spans):
-            planned.plan.notes.append(f"attention temperature {policy.temperature:g} on the fused chunks' KV")
+        fused = [span for span in planned.plan.spans if span.mode == "fuse"]
+        tempered = sum(is_tempered(span.cached, policy) for span in fused)
+        if tempered:
+            planned.plan.notes.append(f"attention temperature {policy.temperature:g} on the fused chunks' KV" + (
+                "" if tempered == len(fused) else f" computed alone ({tempered} of {len(fused)}; the calibrated T "
+                                                  "is left off KV computed among passages)"))
         if policy.auto:
             # r0 for the slowest tier this request's cached KV came from (adaptive.py)
             tier = ("redis" if self.store.hits_redis > redis_hits else

@@ -27,7 +27,7 @@ from engine_sidecar.policies import CacheCraftPolicy, Policy
 from engine_sidecar.prompt import AssembledPrompt, PromptBuilder, Segment, segment_digest
 from engine_sidecar.reorder import ChunkAccessTable, access_key
 from engine_sidecar.store.chunk_store import ChunkStore
-from engine_sidecar.store.entry import CacheKey, ChunkKV
+from engine_sidecar.store.entry import IN_CONTEXT, CacheKey, ChunkKV
 from ragcache_integrations.types import ChunkedPrompt
 
 
@@ -52,7 +52,6 @@ class PlanningState(Protocol):
 
 
 # key context of chunk KV computed inside a request (a miss computed in place), any position
-IN_CONTEXT = "in-context"
 
 
 @dataclass

@@ -15,11 +15,10 @@ from engine_sidecar.executor import fused_prefill
 from engine_sidecar.keys import KeyFactory
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.plan import FusionPlan, PlanSpan
-from engine_sidecar.planner import IN_CONTEXT
 from engine_sidecar.policies import ReusePolicy
 from engine_sidecar.prompt import Segment
 from engine_sidecar.store.chunk_store import ChunkStore
-from engine_sidecar.store.entry import ChunkKV
+from engine_sidecar.store.entry import IN_CONTEXT, ChunkKV
 
 log = logging.getLogger("ragcache.precompute")
 

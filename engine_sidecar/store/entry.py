@@ -32,6 +32,14 @@ class CacheKey:
         return hashlib.blake2b(raw.encode(), digest_size=20).hexdigest()
 
 
+# the context of chunk KV computed among other passages (in place, or warmed after neighbours)
+IN_CONTEXT = "in-context"
+
+
+def computed_in_context(entry: ChunkKV) -> bool:
+    return entry.meta.get("context") == IN_CONTEXT
+
+
 @dataclass
 class ChunkKV:
     keys: torch.Tensor  # [layers, n, kv_heads, head_dim], before RoPE
