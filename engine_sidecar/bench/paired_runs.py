@@ -70,6 +70,7 @@ def pair_runs(specs: list[str], out: Path | None, baseline: str) -> str:
                     r["policies"][p]["text"] = None
     summary = summarize(rows, policies, baseline)
     config = {"n": len(rows), "k": "-", "max_tokens": "-", "model": "(paired runs)", "paired_from": specs,
+              "chunk_kv": "per run (policy@LABEL)",
               "left_out": dropped, "policies": policies, "baseline": baseline}
     table = markdown_table(summary, config) + f"\n\n{dropped} question(s) left out (missing, or full's answer differs)\n"
     if out is not None:
