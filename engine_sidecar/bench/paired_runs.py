@@ -72,7 +72,9 @@ def pair_runs(specs: list[str], out: Path | None, baseline: str) -> str:
     config = {"n": len(rows), "k": "-", "max_tokens": "-", "model": "(paired runs)", "paired_from": specs,
               "chunk_kv": "per run (policy@LABEL)",
               "left_out": dropped, "policies": policies, "baseline": baseline}
-    table = markdown_table(summary, config) + f"\n\n{dropped} question(s) left out (missing, or full's answer differs)\n"
+    table = markdown_table(summary, config) + (
+        f"\n\n{dropped} question(s) left out (missing, or full's answer differs). TTFT ratios here divide by the "
+        f"first run's full prefill: compare TTFT within each run's own table\n")
     if out is not None:
         write_report(out, {"config": config, "policies": summary, "rows": rows}, table)
     return table
