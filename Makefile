@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ragcache-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-prefetch bench-workload bench-load bench-cluster
+.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-prefetch bench-workload bench-load bench-cluster
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,17 @@ DATA ?= ../shared/data/musique_s.json
 bench-fidelity: model
 	$(BIN)/ragcache bench fidelity --data $(DATA) --n 10 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:16,epic:75,cachetune:0.15,cachecraft:0.3,cachecraft:1 --json bench-results/fidelity-all-musique.json
 	$(BIN)/ragcache bench fidelity --data fanoutqa --n 24 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:2,cachetune:0.15,cachecraft:0.3,cachecraft:1 --json bench-results/fidelity-all-fanoutqa.json
+
+# chunk KV warmed after its nearest passages vs computed alone, paired question by question
+# (docs/benchmarks.md, "Warming after neighbours"; ~1.5 h on 2 cores)
+NB_POLICIES = full,reuse,cacheblend:0.15:temp1,cacheblend:0.15:temp1.05
+bench-neighbours: model
+	for kv in precomputed neighbours; do \
+	  $(BIN)/ragcache bench fidelity --data $(DATA) --n 100 --k 4 --no-transformers --no-disk --dtype $(BENCH_DTYPE) --no-generate --no-divergence --policies $(NB_POLICIES) --chunk-kv $$kv --json bench-results/nb/mq100-$$kv.json || exit 1; \
+	  $(BIN)/ragcache bench fidelity --data fanoutqa --n 100 --k 4 --no-transformers --no-disk --dtype $(BENCH_DTYPE) --no-generate --no-divergence --policies $(NB_POLICIES) --chunk-kv $$kv --json bench-results/nb/fq100-$$kv.json || exit 1; \
+	done
+	$(BIN)/python -m engine_sidecar.bench.paired_runs bench-results/nb/mq100-paired.json pre=bench-results/nb/mq100-precomputed.json nb=bench-results/nb/mq100-neighbours.json --baseline cacheblend:0.15:temp1@pre
+	$(BIN)/python -m engine_sidecar.bench.paired_runs bench-results/nb/fq100-paired.json pre=bench-results/nb/fq100-precomputed.json nb=bench-results/nb/fq100-neighbours.json --baseline cacheblend:0.15:temp1@pre
 
 bench-prefetch: model
 	$(BIN)/ragcache bench prefetch --data $(DATA) --n 5 --k 4 --repeats 3 --policy cacheblend --json bench-results/prefetch.json
