@@ -20,7 +20,7 @@ from engine_sidecar.plan import FusionPlan
 from engine_sidecar.policies import LayerView, Policy
 from engine_sidecar.prefetch import LayerPrefetcher, PrefetchTimes
 from engine_sidecar.prophet import ReusedKV
-from engine_sidecar.store.entry import ChunkKV, computed_in_context
+from engine_sidecar.store.entry import ChunkKV, warmed_after_neighbours
 from ragcache_kernels import dispatch
 from ragcache_kernels.rope import apply_rope
 
@@ -188,8 +188,9 @@ def fused_prefill(
 
 def is_tempered(cached: ChunkKV | None, policy: Policy) -> bool:
     """Whether `tempT` scales this fused chunk's keys: always under a spec's own tempT; under the
-    model's calibrated T only KV computed alone."""
-    return policy.temperature != 1.0 and (policy.temper_in_context or cached is None or not computed_in_context(cached))
+    model's calibrated T not KV warmed after neighbours."""
+    return policy.temperature != 1.0 and (policy.temper_neighbour_kv or cached is None
+                                          or not warmed_after_neighbours(cached))
 
 
 def temper_stale_rows(keys: torch.Tensor, fused: torch.Tensor, active: torch.Tensor, scale: float | None) -> None:

@@ -43,8 +43,8 @@ class PlanStage:
         tempered = sum(is_tempered(span.cached, policy) for span in fused)
         if tempered:
             planned.plan.notes.append(f"attention temperature {policy.temperature:g} on the fused chunks' KV" + (
-                "" if tempered == len(fused) else f" computed alone ({tempered} of {len(fused)}; the calibrated T "
-                                                  "is left off KV computed among passages)"))
+                "" if tempered == len(fused) else f" ({tempered} of {len(fused)}; the calibrated T is left off "
+                                                  "KV warmed after neighbours)"))
         if policy.auto:
             # r0 for the slowest tier this request's cached KV came from (adaptive.py)
             tier = ("redis" if self.store.hits_redis > redis_hits else

@@ -77,10 +77,10 @@ class Policy:
     # `tempT` (APE): queries' logits on the cached keys of fused chunks are divided by this; the
     # executor scales those rows of the rotated keys (recomputed rows and exact prefixes keep theirs)
     temperature = 1.0
-    # False when T is the model's calibrated one (not the spec's own tempT): it was fitted on KV
-    # computed alone and makes KV computed among passages worse (docs/benchmarks.md), so it is
-    # left off there
-    temper_in_context = True
+    # False when T is the model's calibrated one (not the spec's own tempT): fitted on KV computed
+    # alone, it made KV warmed after neighbours worse on both QA sets (docs/benchmarks.md), so it
+    # is left off there (KV computed in place keeps it: there the sets disagreed)
+    temper_neighbour_kv = True
 
     def initial_active(self, plan: FusionPlan) -> torch.Tensor:
         """Bool mask [T]; must include every fresh token."""
@@ -478,7 +478,7 @@ def parse_policy(spec: str, temperatures: Mapping[str, float] | None = None) -> 
         policy.temperature = parsed.temperature
     elif temperatures and parsed.name in temperatures:
         policy.temperature = temperatures[parsed.name]
-        policy.temper_in_context = False
+        policy.temper_neighbour_kv = False
     return policy
 
 

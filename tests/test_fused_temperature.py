@@ -103,28 +103,28 @@ def test_the_engine_applies_a_saved_fit_to_that_family_only(tiny_llama_dir, home
         assert not any("temperature" in note for note in stats.notes)
 
 
-def test_the_fitted_temperature_is_left_off_kv_computed_among_passages(tiny_llama_dir, home):
-    # T was fitted on KV computed alone; on KV computed in place or warmed after neighbours it
-    # made answers worse (docs/benchmarks.md), so only a policy's own tempT reaches that KV
+def test_the_fitted_temperature_is_left_off_kv_warmed_after_neighbours(tiny_llama_dir, home):
+    # T was fitted on KV computed alone; on KV warmed after neighbours it made answers worse on
+    # both QA sets (docs/benchmarks.md), so only a policy's own tempT reaches that KV
     save_fit(weights_fingerprint(tiny_llama_dir), "cacheblend", 1.6, {})
     with Engine.from_pretrained(tiny_llama_dir, dtype="float32", disk=False, prefix_tree=False) as engine:
-        engine.generate(ChunkedPrompt(chunks=PASSAGES[::-1], question=QUESTION), {"max_tokens": 1})  # in place
+        engine.warm(PASSAGES, neighbours=2)
         assert torch.allclose(_logits(engine, "cacheblend:0.2"), _logits(engine, "cacheblend:0.2:temp1"), atol=1e-6)
         own = _logits(engine, "cacheblend:0.2:temp1.6")
         assert (own - _logits(engine, "cacheblend:0.2:temp1")).abs().max().item() > 1e-3
         assert not any("temperature" in n for n in engine.generate(PROMPT, {"max_tokens": 1}, policy="cacheblend:0.2")
                        .stats.notes)
-    # one more passage, warmed alone: the fitted T scales that chunk only (under `reuse`, which
-    # recomputes nothing; CacheBlend recomputes the whole alone-computed chunk here, the one that
-    # deviates most from its in-context neighbours)
+    # KV computed in place keeps it (the QA sets disagreed there), and so does a chunk warmed
+    # alone; both beside neighbour-warmed KV in one prompt (under `reuse`, which recomputes nothing)
     save_fit(weights_fingerprint(tiny_llama_dir), "reuse", 1.6, {})
     with Engine.from_pretrained(tiny_llama_dir, dtype="float32", disk=False, prefix_tree=False) as engine:
-        engine.generate(ChunkedPrompt(chunks=PASSAGES[::-1], question=QUESTION), {"max_tokens": 1})
+        engine.generate(ChunkedPrompt(chunks=PASSAGES[:2][::-1], question=QUESTION), {"max_tokens": 1})  # in place
+        engine.warm(PASSAGES[2:], neighbours=1, pool=PASSAGES)
         extra = "Lake Baikal in Siberia is the deepest lake on Earth."
         engine.warm([extra])
         mixed = ChunkedPrompt(chunks=[*PASSAGES, extra], question=QUESTION)
         notes = engine.generate(mixed, {"max_tokens": 1}, policy="reuse").stats.notes
-        assert any("attention temperature 1.6 on the fused chunks' KV computed alone (1 of 4" in n for n in notes)
+        assert any("attention temperature 1.6 on the fused chunks' KV (3 of 4" in n for n in notes), notes
         auto, _ = engine.prefill_logits(mixed, policy="reuse")
         plain, _ = engine.prefill_logits(mixed, policy="reuse:temp1")
         everywhere, _ = engine.prefill_logits(mixed, policy="reuse:temp1.6")

@@ -36,8 +36,8 @@ class CacheKey:
 IN_CONTEXT = "in-context"
 
 
-def computed_in_context(entry: ChunkKV) -> bool:
-    return entry.meta.get("context") == IN_CONTEXT
+def warmed_after_neighbours(entry: ChunkKV) -> bool:
+    return entry.meta.get("warmed") == "neighbours"
 
 
 @dataclass
