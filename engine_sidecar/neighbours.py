@@ -60,7 +60,8 @@ class NeighbourIndex:
         if m <= 0:
             return []
         query = _weights(seg.token_ids, self.idf, self.unseen_idf)
-        scored = [(cosine(query, vec), -i) for i, (other, vec) in enumerate(zip(self.segments, self.vectors, strict=True))
+        scored = [(cosine(query, vec), -index)
+                  for index, (other, vec) in enumerate(zip(self.segments, self.vectors, strict=True))
                   if other.token_ids != seg.token_ids]
-        best = sorted(scored, reverse=True)[:m]
-        return [self.segments[-i] for _, i in reversed(best)]
+        best = sorted(scored, reverse=True)[:m]  # on a tie the earlier pool passage ranks higher
+        return [self.segments[-neg_index] for _, neg_index in reversed(best)]
