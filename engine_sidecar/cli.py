@@ -311,7 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "reports EM/F1 vs gold, ROUGE-L and first-token agreement vs full, TTFT.")
     fid.add_argument("--data", required=True, help="musique_s.json-format file, or 'fanoutqa' (the FanOutQA dev "
                      "set shipped in the fanoutqa wheel, assembled into passages; docs/benchmarks.md)")
-    fid.add_argument("--n", type=int, default=20, help="number of questions")
+    fid.add_argument("--start", type=int, default=0,
+                     help="first record to use (default 0): measure a calibration split apart from the "
+                          "evaluation questions")
+    fid.add_argument("--n", type=int, default=20, help="number of questions (from --start)")
     fid.add_argument("--k", type=int, default=4, help="chunks per question")
     fid.add_argument("--policies", default=default_fidelity_policies(), type=fidelity_policy_list_arg,
                      help="comma list of " + POLICY_HELP + ORACLE_HELP

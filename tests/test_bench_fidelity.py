@@ -166,3 +166,18 @@ def test_neighbours_mode_warms_every_chunk_after_its_neighbours_and_pairs_with_a
     assert pair_main([str(out), f"pre={tmp_path / 'pre.json'}", "--baseline", "x@pre"]) == 2  # one run only
     assert pair_main([str(out), f"pre={tmp_path / 'pre.json'}", f"nb={tmp_path / 'nb.json'}",
                       "--baseline", "nothing@pre"]) == 2
+
+
+def test_start_measures_a_split_apart_from_the_first_records(tiny_llama_dir, tmp_path):
+    records = fanoutqa_records()
+    split = run_bench(tiny_llama_dir, tmp_path / "split.json", "--start", "5", "--n", "2", "--no-generate",
+                      "--policies", "full,reuse")
+    assert [r["question"] for r in split["rows"]] == [records[5]["question"], records[6]["question"]]
+    assert [r["index"] for r in split["rows"]] == [5, 6] and split["config"]["start"] == 5
+    assert "2 questions from record 5" in (tmp_path / "split.md").read_text()
+    for bad, message in ((("--start", "-1"), "--start at least 0"), (("--start", "100000"), "no records from index")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", "2",
+             "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk", *bad],
+            capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -74,7 +74,12 @@ def run_fidelity(args: argparse.Namespace) -> int:
     from engine_sidecar.engine_args import engine_from_args
 
     console = Console()
-    records = load_dataset(args.data)[: args.n]
+    start = getattr(args, "start", 0)
+    if args.n < 1 or args.k < 1 or start < 0:
+        raise InvalidPromptError("--n and --k must be at least 1 and --start at least 0")
+    records = load_dataset(args.data)[start : start + args.n]
+    if not records:
+        raise InvalidPromptError(f"{args.data} has no records from index {start}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if "full" not in policies:
         policies.insert(0, "full")
@@ -131,7 +136,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
                 prepare_chunks(engine, rec, args.k, policies, getattr(args, "chunk_kv", "precomputed"), neighbours)
             prompt = ChunkedPrompt(chunks=chunk_texts(record, args.k), question=record["question"])
             measured = follow or record
-            row: dict[str, Any] = {"index": i, "question": measured["question"],
+            row: dict[str, Any] = {"index": start + i, "question": measured["question"],
                                    "answers": measured.get("answers", []), "policies": {}}
             reference = None
             if follow is None:
@@ -182,7 +187,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
               "model": str(args.model), "dtype": args.dtype, "device": args.device, "policies": policies,
               "convention": args.convention, "chunk_kv": getattr(args, "chunk_kv", "precomputed"),
               "neighbours": args.neighbours if getattr(args, "chunk_kv", "") == "neighbours" else None,
-              "noise_floor": noise_name, "generated": not no_generate, "n_requested": args.n,
+              "noise_floor": noise_name, "generated": not no_generate, "n_requested": args.n, "start": start,
               "max_minutes": getattr(args, "max_minutes", None)}
     transformers_times = [r["transformers_prefill_s"] for r in rows if "transformers_prefill_s" in r]
     if transformers_times:
@@ -393,7 +398,8 @@ def gate_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any]) -> str:
     turn = "; turn 2 of a two-turn conversation (the next record's question)" if config.get("follow_up") else ""
     lines = [
-        f"fidelity: {config['n']} questions, {config['k']} chunks each, {config['max_tokens']} tokens, "
+        f"fidelity: {config['n']} questions{f' from record {s}' if (s := config.get('start')) else ''}, "
+        f"{config['k']} chunks each, {config['max_tokens']} tokens, "
         f"model {config['model']}, chunk KV {config.get('chunk_kv', 'precomputed')}"
         f"{f' ({n} neighbours)' if (n := config.get('neighbours')) else ''}{turn}",
         "",
