@@ -11,7 +11,7 @@ import threading
 import torch
 
 from engine_sidecar.commit import ReuseWriter
-from engine_sidecar.executor import fused_prefill
+from engine_sidecar.executor import PrefillResult, fused_prefill
 from engine_sidecar.keys import KeyFactory
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.plan import FusionPlan, PlanSpan
@@ -37,20 +37,28 @@ class Precomputer:
     def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
         """A chunk's KV computed alone (after the prefix under the after-prefix convention), and
         the token-layers that cost."""
-        spans: list[PlanSpan] = []
-        start = 0
-        if self.keys.convention == "after-prefix":
-            cached = self.store.get(self.keys.for_tokens(prefix.token_ids, tenant, "exact"))
-            spans.append(PlanSpan("prefix", 0, prefix.token_ids, "exact" if cached else "fresh", cached))
-            start = len(prefix.token_ids)
+        spans = [self._prefix_span(prefix, tenant)] if self.keys.convention == "after-prefix" else []
+        start = spans[-1].end if spans else 0
         spans.append(PlanSpan("chunk", start, chunk_seg.token_ids, "fresh", chunk_id=chunk_seg.chunk_id))
-        result = fused_prefill(self.runner, FusionPlan(spans, "precompute"), ReusePolicy(), need_logits=False)
+        result = self._compute(spans, tenant)
         end = start + len(chunk_seg.token_ids)
-        if self.keys.convention == "after-prefix" and spans[0].cached is None:
-            self.writer.store_span(result.kv, spans[0], tenant, "exact")
         entry = ChunkKV(result.kv.keys_pre[:, start:end].clone(), result.kv.values[:, start:end].clone(),
                         torch.tensor(chunk_seg.token_ids, dtype=torch.long), chunk_seg.chunk_id, tenant)
         return entry, result.token_layers_computed
+
+    def _prefix_span(self, prefix: Segment, tenant: str) -> PlanSpan:
+        """The template prefix as a plan's first span: its exact entry where one is stored, else
+        computed (and then stored by `_compute`)."""
+        cached = self.store.get(self.keys.for_tokens(prefix.token_ids, tenant, "exact"))
+        return PlanSpan("prefix", 0, prefix.token_ids, "exact" if cached else "fresh", cached)
+
+    def _compute(self, spans: list[PlanSpan], tenant: str) -> PrefillResult:
+        """The spans prefilled with nothing recomputed; a template prefix computed here is stored
+        so the next chunk and request start from it."""
+        result = fused_prefill(self.runner, FusionPlan(spans, "precompute"), ReusePolicy(), need_logits=False)
+        if spans[0].kind == "prefix" and spans[0].cached is None:
+            self.writer.store_span(result.kv, spans[0], tenant, "exact")
+        return result
 
     def warm_segment(self, seg: Segment, prefix: Segment, tenant: str) -> bool:
         key = self.keys.for_tokens(seg.token_ids, tenant, self.keys.chunk_context(prefix))
@@ -67,13 +75,10 @@ class Precomputer:
         with self._lock:
             if self.store.contains(key):
                 return False
-            cached = self.store.get(self.keys.for_tokens(prefix.token_ids, tenant, "exact"))
-            spans = [PlanSpan("prefix", 0, prefix.token_ids, "exact" if cached else "fresh", cached)]
+            spans = [self._prefix_span(prefix, tenant)]
             for other in [*neighbours, seg]:
                 spans.append(PlanSpan("chunk", spans[-1].end, other.token_ids, "fresh", chunk_id=other.chunk_id))
-            result = fused_prefill(self.runner, FusionPlan(spans, "precompute"), ReusePolicy(), need_logits=False)
-            if cached is None:
-                self.writer.store_span(result.kv, spans[0], tenant, "exact")
+            result = self._compute(spans, tenant)
             # no "chain": the passages before it are not the request's, so it is never reused exactly
             meta = {"context": IN_CONTEXT, "start": str(spans[-1].start), "warmed": "neighbours",
                     "after_chunks": ",".join(n.chunk_id or "" for n in neighbours)}
