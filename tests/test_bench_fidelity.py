@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -163,6 +164,11 @@ def test_neighbours_mode_warms_every_chunk_after_its_neighbours_and_pairs_with_a
     diffs = [a["policies"]["reuse"]["tf_agreement"] - b["policies"]["cacheblend:0.15:temp1"]["tf_agreement"]
              for a, b in zip(nb["rows"], pre["rows"], strict=True)]
     assert delta["vs"] == "cacheblend:0.15:temp1@pre" and delta["mean"] == pytest.approx(sum(diffs) / 3)
+    # TTFT against the full prefill timed in the same run
+    for label, run in (("nb", nb), ("pre", pre)):
+        own = statistics.median(r["policies"]["full"]["ttft_s"] for r in run["rows"])
+        reuse = statistics.median(r["policies"]["reuse"]["ttft_s"] for r in run["rows"])
+        assert paired["policies"][f"reuse@{label}"]["ttft_ratio_vs_full"] == pytest.approx(reuse / own)
     assert pair_main([str(out), f"pre={tmp_path / 'pre.json'}", "--baseline", "x@pre"]) == 2  # one run only
     assert pair_main([str(out), f"pre={tmp_path / 'pre.json'}", f"nb={tmp_path / 'nb.json'}",
                       "--baseline", "nothing@pre"]) == 2

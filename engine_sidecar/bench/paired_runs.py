@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,12 @@ def pair_rows(runs: list[tuple[str, list[dict[str, Any]]]]) -> tuple[list[dict[s
             dropped += 1
             continue
         policies = {"full": first["policies"]["full"]}
+        full_ttft: dict[str, float] = {}
         for (label, _), row in zip(runs, matches, strict=True):
             assert row is not None
             policies |= {f"{p}@{label}": v for p, v in row["policies"].items() if p != "full"}
-        paired.append({**first, "policies": policies})
+            full_ttft[label] = row["policies"]["full"]["ttft_s"]
+        paired.append({**first, "policies": policies, "full_ttft_s_by_run": full_ttft})
     return paired, dropped
 
 
@@ -69,12 +72,18 @@ def pair_runs(specs: list[str], out: Path | None, baseline: str) -> str:
                 if p != "full":
                     r["policies"][p]["text"] = None
     summary = summarize(rows, policies, baseline)
+    for name in policies:
+        if "@" in name:  # TTFT against the full prefill timed in the same run, side by side
+            label = name.rsplit("@", 1)[1]
+            own_full = statistics.median(r["full_ttft_s_by_run"][label] for r in rows)
+            summary[name]["ttft_ratio_vs_full"] = summary[name]["ttft_median_s"] / own_full
     config = {"n": len(rows), "k": "-", "max_tokens": "-", "model": "(paired runs)", "paired_from": specs,
               "chunk_kv": "per run (policy@LABEL)",
               "left_out": dropped, "policies": policies, "baseline": baseline}
     table = markdown_table(summary, config) + (
-        f"\n\n{dropped} question(s) left out (missing, or full's answer differs). TTFT ratios here divide by the "
-        f"first run's full prefill: compare TTFT within each run's own table\n")
+        f"\n\n{dropped} question(s) left out (missing, or full's answer differs). TTFT vs full divides each "
+        f"policy@LABEL by the full prefill of its own run (median over these questions); full's row is the first "
+        f"run's\n")
     if out is not None:
         write_report(out, {"config": config, "policies": summary, "rows": rows}, table)
     return table
