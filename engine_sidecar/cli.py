@@ -13,6 +13,7 @@ from engine_sidecar.bench.policy_specs import (
     BASELINE,
     DEFAULT_TEMPERATURES,
     ORACLE_HELP,
+    chunk_kv_list_arg,
     default_fidelity_policies,
     fidelity_policy_list_arg,
 )
@@ -330,18 +331,23 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--baseline", default=BASELINE,
                      help="policy every other one is compared with, per question, for the paired 95%% interval "
                           f"of the teacher-forced agreement difference (default {BASELINE}, CacheBlend at 15%% "
-                          "without a temperature; reuse when it is not in --policies)")
+                          "without a temperature; reuse when it is not in --policies). With several --chunk-kv "
+                          "modes: POLICY@MODE (default: on the first mode)")
     fid.add_argument("--follow-up", action="store_true",
                      help="measure turn 2 of a conversation per policy: each question, then the next record's "
                           "question over its own passages in the same conversation")
-    fid.add_argument("--chunk-kv", choices=["precomputed", "in-context", "neighbours"], default="precomputed",
+    fid.add_argument("--chunk-kv", type=chunk_kv_list_arg, default=["precomputed"],
+                     metavar="{precomputed,in-context,neighbours}[,...]",
                      help="where the reused chunk KV comes from: precomputed by `warm` (per --convention); "
                           "computed in place by an earlier request holding the same chunks in another order "
                           "(last chunk first), as misses are on a live stream; or `neighbours`: warmed after the "
                           "--neighbours passages most like it among all passages of the --n records (`warm "
                           "--neighbours`, FusionRAG-style). KV an earlier question's request computed in place "
                           "for a recurring passage is preferred over a precomputed copy (the engine's own order of "
-                          "lookups)")
+                          "lookups). Several modes, comma-separated, run one after another and are paired question "
+                          "by question into one table (policy@mode; --json X.json also keeps each run as "
+                          "X-<mode>.json): e.g. precomputed,neighbours shows the default on neighbour-warmed KV "
+                          "against CacheBlend on KV computed alone (default: precomputed)")
     fid.add_argument("--neighbours", type=int, default=2,
                      help="with --chunk-kv neighbours: passages each chunk is warmed after (default 2)")
     fid.add_argument("--no-divergence", action="store_true",

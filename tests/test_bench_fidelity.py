@@ -187,3 +187,34 @@ def test_start_measures_a_split_apart_from_the_first_records(tiny_llama_dir, tmp
              "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk", *bad],
             capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_several_chunk_kv_modes_run_in_one_command_and_are_paired(tiny_llama_dir, tmp_path):
+    out = tmp_path / "both.json"
+    paired = run_bench(tiny_llama_dir, out, "--n", "3", "--no-generate", "--policies", "full,reuse,cacheblend",
+                       "--chunk-kv", "precomputed,neighbours", "--neighbours", "1", "--baseline", "reuse")
+    runs = {mode: json.loads((tmp_path / f"both-{mode}.json").read_text()) for mode in ("precomputed", "neighbours")}
+    assert runs["precomputed"]["config"]["chunk_kv"] == "precomputed"
+    assert runs["neighbours"]["config"]["chunk_kv"] == "neighbours" and runs["neighbours"]["config"]["neighbours"] == 1
+    assert list(paired["policies"]) == ["full", "reuse@precomputed", "cacheblend@precomputed", "reuse@neighbours",
+                                        "cacheblend@neighbours"]
+    assert paired["config"]["data"] == "fanoutqa" and paired["config"]["k"] == 3 and paired["config"]["n"] == 3
+    # each paired value is the one its own run measured, and deltas pair against reuse on the first mode
+    for mode, run in runs.items():
+        for row, own in zip(paired["rows"], run["rows"], strict=True):
+            assert row["policies"][f"cacheblend@{mode}"]["tf_agreement"] == own["policies"]["cacheblend"]["tf_agreement"]
+    diffs = [r["policies"]["cacheblend@neighbours"]["tf_agreement"] - r["policies"]["reuse@precomputed"]["tf_agreement"]
+             for r in paired["rows"]]
+    delta = paired["policies"]["cacheblend@neighbours"]["tf_agreement_delta"]
+    assert delta["vs"] == "reuse@precomputed" and delta["mean"] == pytest.approx(sum(diffs) / 3)
+    assert "cacheblend@neighbours" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").is_file()
+    for bad, message in ((("--chunk-kv", "precomputed,alone"), "give one or more of"),
+                         (("--chunk-kv", "neighbours,neighbours"), "named twice"),
+                         (("--chunk-kv", "precomputed,neighbours", "--baseline", "reuse@in-context"),
+                          "not one of --chunk-kv")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", "2",
+             "--policies", "full,reuse", "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk", *bad],
+            capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -70,6 +70,47 @@ def prepare_chunks(engine: Any, record: dict[str, Any], k: int, policies: list[s
 
 
 def run_fidelity(args: argparse.Namespace) -> int:
+    """One run per `--chunk-kv` mode; several modes are then paired question by question into one
+    table (each policy as `policy@mode`), so one command shows e.g. the default on KV warmed after
+    neighbours against CacheBlend on KV computed alone."""
+    modes = [args.chunk_kv] if isinstance(args.chunk_kv, str) else list(args.chunk_kv)
+    if len(modes) == 1:
+        args.chunk_kv = modes[0]
+        if "@" in getattr(args, "baseline", BASELINE):
+            args.baseline = paired_baseline(args.baseline, args.policies, modes).rsplit("@", 1)[0]
+        run_one(args)
+        return 0
+    from engine_sidecar.bench.paired_runs import pair_loaded
+
+    baseline = paired_baseline(getattr(args, "baseline", BASELINE), args.policies, modes)
+    runs: list[tuple[str, list[dict[str, Any]]]] = []
+    for mode in modes:
+        one = argparse.Namespace(**{**vars(args), "chunk_kv": mode, "baseline": baseline.rsplit("@", 1)[0]})
+        if args.json is not None:
+            one.json = args.json.with_name(f"{args.json.stem}-{mode}{args.json.suffix}")
+        runs.append((mode, run_one(one)["rows"]))
+    print(pair_loaded(runs, args.json, baseline, {"data": str(args.data), "k": args.k, "max_tokens": args.max_tokens,
+                                                  "model": str(args.model), "follow_up": bool(args.follow_up)}))
+    return 0
+
+
+def paired_baseline(baseline: str, policies: str | list[str], modes: list[str]) -> str:
+    """The `policy@mode` a multi-mode run pairs against: the given one, or the per-run baseline on
+    the first mode."""
+    names = [p.strip() for p in policies.split(",")] if isinstance(policies, str) else list(policies)
+    name, _, mode = baseline.rpartition("@") if "@" in baseline else (baseline, "", modes[0])
+    if mode not in modes:
+        raise InvalidPromptError(f"--baseline {baseline!r}: {mode!r} is not one of --chunk-kv {','.join(modes)}")
+    if name not in names:  # as a single run does: reuse when the baseline is not among the policies
+        if "@" in baseline or "reuse" not in names:
+            raise InvalidPromptError(f"--baseline {baseline!r}: {name!r} is not in --policies")
+        name = "reuse"
+    return f"{name}@{mode}"
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    """One `bench fidelity` run with a single chunk-KV mode: prints its table, writes its report
+    with --json, and returns the report."""
     from engine_sidecar.bench.datasets import load_dataset
     from engine_sidecar.engine_args import engine_from_args
 
@@ -194,11 +235,12 @@ def run_fidelity(args: argparse.Namespace) -> int:
         config["transformers_prefill_median_s"] = statistics.median(transformers_times)
     table = markdown_table(summary, config)
     print(table)
+    report = {"config": config, "policies": summary, "rows": rows}
     if args.json:
-        written = write_report(args.json, {"config": config, "policies": summary, "rows": rows}, table)
+        written = write_report(args.json, report, table)
         plot = scatter_plot(summary, config, args.json.with_suffix(".png"))
         console.print("wrote " + ", ".join(str(p) for p in [*written, *([plot] if plot else [])]))
-    return 0
+    return report
 
 
 def full_reference(engine: Any, prompt: ChunkedPrompt, max_tokens: int) -> dict[str, Any]:

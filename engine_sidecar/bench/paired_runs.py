@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine_sidecar.bench.fidelity import markdown_table, summarize
+from engine_sidecar.bench.fidelity import markdown_table, scatter_plot, summarize
 from engine_sidecar.bench.report import write_report
 from engine_sidecar.errors import InvalidPromptError
 
@@ -60,6 +60,14 @@ def pair_runs(specs: list[str], out: Path | None, baseline: str) -> str:
         if not sep or not label or not Path(path).is_file():
             raise InvalidPromptError(f"{spec!r}: give LABEL=PATH of a bench fidelity JSON or .partial.jsonl")
         runs.append((label, _rows(Path(path))))
+    return pair_loaded(runs, out, baseline, {"k": "-", "max_tokens": "-", "model": "(paired runs)",
+                                             "paired_from": specs})
+
+
+def pair_loaded(runs: list[tuple[str, list[dict[str, Any]]]], out: Path | None, baseline: str,
+                config: dict[str, Any]) -> str:
+    """Runs already in memory (LABEL, rows) paired and summarized as one: the table, and with
+    `out` its JSON, Markdown and plot."""
     rows, dropped = pair_rows(runs)
     if not rows:
         raise InvalidPromptError("the runs share no question with the same full-prefill answer")
@@ -77,15 +85,16 @@ def pair_runs(specs: list[str], out: Path | None, baseline: str) -> str:
             label = name.rsplit("@", 1)[1]
             own_full = statistics.median(r["full_ttft_s_by_run"][label] for r in rows)
             summary[name]["ttft_ratio_vs_full"] = summary[name]["ttft_median_s"] / own_full
-    config = {"n": len(rows), "k": "-", "max_tokens": "-", "model": "(paired runs)", "paired_from": specs,
-              "chunk_kv": "per run (policy@LABEL)",
-              "left_out": dropped, "policies": policies, "baseline": baseline}
+    config = {**config, "n": len(rows), "chunk_kv": "per run (policy@LABEL)", "left_out": dropped,
+              "policies": policies, "baseline": baseline}
     table = markdown_table(summary, config) + (
         f"\n\n{dropped} question(s) left out (missing, or full's answer differs). TTFT vs full divides each "
         f"policy@LABEL by the full prefill of its own run (median over these questions); full's row is the first "
         f"run's\n")
     if out is not None:
         write_report(out, {"config": config, "policies": summary, "rows": rows}, table)
+        if "data" in config:
+            scatter_plot(summary, config, out.with_suffix(".png"))
     return table
 
 

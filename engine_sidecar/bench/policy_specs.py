@@ -1,6 +1,6 @@
-"""Policy specs `ragcache bench fidelity` accepts: the registry's, plus the bench-only
-`oracle:<ratio>` (engine_sidecar/bench/oracle_policy.py). No torch here: the CLI checks
-`--policies` while it builds its parser."""
+"""Policy specs and chunk-KV modes `ragcache bench fidelity` accepts: the registry's policies,
+plus the bench-only `oracle:<ratio>` (engine_sidecar/bench/oracle_policy.py). No torch here: the
+CLI checks `--policies` and `--chunk-kv` while it builds its parser."""
 
 from __future__ import annotations
 
@@ -70,3 +70,18 @@ def fidelity_policy_list_arg(text: str) -> str:
 
 ORACLE_HELP = ("; bench only: oracle:<ratio> recomputes the fused tokens whose reused KV differs most from full "
                "prefill's (needs full prefill's KV of the same prompt: a reference point, not a deployable policy)")
+
+
+# where a run's reused chunk KV comes from (`bench fidelity --chunk-kv`)
+CHUNK_KV_MODES = ("precomputed", "in-context", "neighbours")
+
+
+def chunk_kv_list_arg(text: str) -> list[str]:
+    """argparse `type=` for `bench fidelity --chunk-kv`: one mode, or several to pair."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in CHUNK_KV_MODES]
+    if not modes or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(CHUNK_KV_MODES)}, comma-separated")
+    if len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"{text!r}: a mode is named twice")
+    return modes
