@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ragcache-installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-prefetch bench-workload bench-load bench-cluster
+.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,16 +79,27 @@ bench-fidelity: model
 	$(BIN)/ragcache bench fidelity --data $(DATA) --n 10 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:16,epic:75,cachetune:0.15,cachecraft:0.3,cachecraft:1 --json bench-results/fidelity-all-musique.json
 	$(BIN)/ragcache bench fidelity --data fanoutqa --n 24 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:2,cachetune:0.15,cachecraft:0.3,cachecraft:1 --json bench-results/fidelity-all-fanoutqa.json
 
-# chunk KV warmed after its nearest passages vs computed alone, paired question by question
-# (docs/benchmarks.md, "Warming after neighbours"; ~1.5 h on 2 cores)
-NB_POLICIES = full,reuse,cacheblend:0.15:temp1,cacheblend:0.15:temp1.05
+# chunk KV warmed after its nearest passages vs computed alone, paired question by question in one
+# command per set (docs/benchmarks.md, "Warming after neighbours"; ~1.5 h on 2 cores): writes
+# <set>100.{json,md,png} (paired) and <set>100-{precomputed,neighbours}.json (each run)
+NB_POLICIES = full,reuse,cacheblend:0.15:temp1,cacheblend:0.15:temp1.05,cacheblend
+NB_FLAGS = --k 4 --no-transformers --no-disk --dtype $(BENCH_DTYPE) --no-generate --no-divergence
 bench-neighbours: model
-	for kv in precomputed neighbours; do \
-	  $(BIN)/ragcache bench fidelity --data $(DATA) --n 100 --k 4 --no-transformers --no-disk --dtype $(BENCH_DTYPE) --no-generate --no-divergence --policies $(NB_POLICIES) --chunk-kv $$kv --json bench-results/nb/mq100-$$kv.json || exit 1; \
-	  $(BIN)/ragcache bench fidelity --data fanoutqa --n 100 --k 4 --no-transformers --no-disk --dtype $(BENCH_DTYPE) --no-generate --no-divergence --policies $(NB_POLICIES) --chunk-kv $$kv --json bench-results/nb/fq100-$$kv.json || exit 1; \
+	$(BIN)/ragcache bench fidelity --data $(DATA) --n 100 $(NB_FLAGS) --policies $(NB_POLICIES) --chunk-kv precomputed,neighbours --json bench-results/nb/mq100.json
+	$(BIN)/ragcache bench fidelity --data fanoutqa --n 100 $(NB_FLAGS) --policies $(NB_POLICIES) --chunk-kv precomputed,neighbours --json bench-results/nb/fq100.json
+
+# N (neighbours per chunk) on calibration splits no evaluation uses: MuSiQue 100-139, FanOutQA 150-189
+NB_SWEEP = 1 2 3 4 6
+bench-neighbours-n: model
+	for set in "mq $(DATA) 100" "fq fanoutqa 150"; do set -- $$set; \
+	  $(BIN)/ragcache bench fidelity --data $$2 --start $$3 --n 40 $(NB_FLAGS) --policies full,cacheblend:0.15:temp1,cacheblend --json bench-results/ns/$$1-pre.json || exit 1; \
+	  runs="pre=bench-results/ns/$$1-pre.json"; \
+	  for n in $(NB_SWEEP); do \
+	    $(BIN)/ragcache bench fidelity --data $$2 --start $$3 --n 40 $(NB_FLAGS) --policies full,cacheblend --chunk-kv neighbours --neighbours $$n --json bench-results/ns/$$1-n$$n.json || exit 1; \
+	    runs="$$runs n$$n=bench-results/ns/$$1-n$$n.json"; \
+	  done; \
+	  $(BIN)/python -m engine_sidecar.bench.paired_runs bench-results/ns/$$1-paired.json $$runs --baseline cacheblend:0.15:temp1@pre || exit 1; \
 	done
-	$(BIN)/python -m engine_sidecar.bench.paired_runs bench-results/nb/mq100-paired.json pre=bench-results/nb/mq100-precomputed.json nb=bench-results/nb/mq100-neighbours.json --baseline cacheblend:0.15:temp1@pre
-	$(BIN)/python -m engine_sidecar.bench.paired_runs bench-results/nb/fq100-paired.json pre=bench-results/nb/fq100-precomputed.json nb=bench-results/nb/fq100-neighbours.json --baseline cacheblend:0.15:temp1@pre
 
 bench-prefetch: model
 	$(BIN)/ragcache bench prefetch --data $(DATA) --n 5 --k 4 --repeats 3 --policy cacheblend --json bench-results/prefetch.json
