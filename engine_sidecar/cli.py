@@ -11,6 +11,7 @@ from pathlib import Path
 
 from engine_sidecar.bench.policy_specs import (
     BASELINE,
+    DEFAULT_CHUNK_KV,
     DEFAULT_TEMPERATURES,
     ORACLE_HELP,
     chunk_kv_list_arg,
@@ -336,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--follow-up", action="store_true",
                      help="measure turn 2 of a conversation per policy: each question, then the next record's "
                           "question over its own passages in the same conversation")
-    fid.add_argument("--chunk-kv", type=chunk_kv_list_arg, default=["precomputed"],
+    fid.add_argument("--chunk-kv", type=chunk_kv_list_arg, default=list(DEFAULT_CHUNK_KV),
                      metavar="{precomputed,in-context,neighbours}[,...]",
                      help="where the reused chunk KV comes from: precomputed by `warm` (per --convention); "
                           "computed in place by an earlier request holding the same chunks in another order "
@@ -347,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "lookups). Several modes, comma-separated, run one after another and are paired question "
                           "by question into one table (policy@mode; --json X.json also keeps each run as "
                           "X-<mode>.json): e.g. precomputed,neighbours shows the default on neighbour-warmed KV "
-                          "against CacheBlend on KV computed alone (default: precomputed)")
+                          "against CacheBlend on KV computed alone (default: precomputed,neighbours, so one command shows "
+                          "the frontier; give one mode for a single run)")
     fid.add_argument("--neighbours", type=int, default=2,
                      help="with --chunk-kv neighbours: passages each chunk is warmed after (default 2)")
     fid.add_argument("--no-divergence", action="store_true",

@@ -125,7 +125,7 @@ def test_bench_reports_divergence_oracle_and_noise_floor(tiny_llama_dir, tmp_pat
     proc = subprocess.run(
         [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", "3", "--k", "3",
          "--policies", "full,reuse,cacheblend:0.15,oracle:0.15,oracle:1.0", "--model", str(tiny_llama_dir),
-         "--no-transformers", "--no-disk", "--max-tokens", "4", "--noise-floor", "--json", str(out)],
+         "--no-transformers", "--no-disk", "--chunk-kv", "precomputed", "--max-tokens", "4", "--noise-floor", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())

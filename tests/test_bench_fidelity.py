@@ -37,7 +37,7 @@ def test_fidelity_bench_runs_every_policy_family_and_writes_table_json_and_plot(
     policies = "full,reuse,cacheblend:0.15:temp1,epic:4,cachetune:0.15,cachecraft:0.5"
     proc = subprocess.run(
         [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", "3", "--k", "3",
-         "--policies", policies, "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk",
+         "--policies", policies, "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk", "--chunk-kv", "precomputed",
          "--max-tokens", "3", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
@@ -78,7 +78,7 @@ def test_bootstrap_interval_brackets_the_mean_and_is_reproducible():
 def run_bench(model_dir, out, *extra: str) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--k", "3",
-         "--model", str(model_dir), "--no-transformers", "--no-disk", "--max-tokens", "3", "--json", str(out), *extra],
+         "--model", str(model_dir), "--no-transformers", "--no-disk", "--chunk-kv", "precomputed", "--max-tokens", "3", "--json", str(out), *extra],
         capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
     return json.loads(out.read_text())

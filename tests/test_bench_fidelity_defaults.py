@@ -32,3 +32,7 @@ def test_another_default_policy_is_added_after_the_baseline():
 def test_the_cli_uses_it():
     args = build_parser().parse_args(["bench", "fidelity", "--data", "x.json"])
     assert args.policies == default_fidelity_policies()
+    # KV computed alone and warmed after neighbours, paired: the default on neighbour KV beside the baseline
+    assert args.chunk_kv == ["precomputed", "neighbours"]
+    assert build_parser().parse_args(["bench", "fidelity", "--data", "x.json", "--chunk-kv", "in-context"]).chunk_kv == [
+        "in-context"]

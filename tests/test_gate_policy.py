@@ -161,7 +161,7 @@ def test_fidelity_bench_reports_each_questions_decision_and_cost(tiny_llama_dir,
     proc = subprocess.run(
         [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", "2", "--k", "3",
          "--policies", "full,reuse,gate:0.3", "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk",
-         "--no-generate", "--max-tokens", "3", "--json", str(out)],
+         "--no-generate", "--max-tokens", "3", "--chunk-kv", "precomputed", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())

@@ -90,7 +90,8 @@ def run_fidelity(args: argparse.Namespace) -> int:
             one.json = args.json.with_name(f"{args.json.stem}-{mode}{args.json.suffix}")
         runs.append((mode, run_one(one)["rows"]))
     print(pair_loaded(runs, args.json, baseline, {"data": str(args.data), "k": args.k, "max_tokens": args.max_tokens,
-                                                  "model": str(args.model), "follow_up": bool(args.follow_up)}))
+                                                  "model": str(args.model), "follow_up": bool(args.follow_up),
+                                                  "start": getattr(args, "start", 0)}))
     return 0
 
 
@@ -101,11 +102,13 @@ def paired_baseline(baseline: str, policies: str | list[str], modes: list[str]) 
     name, _, mode = baseline.rpartition("@") if "@" in baseline else (baseline, "", modes[0])
     if mode not in modes:
         raise InvalidPromptError(f"--baseline {baseline!r}: {mode!r} is not one of --chunk-kv {','.join(modes)}")
-    if name not in names:  # as a single run does: reuse when the baseline is not among the policies
-        if "@" in baseline or "reuse" not in names:
+    if name not in names:
+        if "@" in baseline:
             raise InvalidPromptError(f"--baseline {baseline!r}: {name!r} is not in --policies")
-        name = "reuse"
-    return f"{name}@{mode}"
+        # as a single run does: reuse when the baseline is not among the policies, else the first
+        others = [p for p in names if p != "full"]
+        name = "reuse" if "reuse" in names else others[0] if others else "full"
+    return "full" if name == "full" else f"{name}@{mode}"
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:

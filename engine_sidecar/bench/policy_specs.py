@@ -74,6 +74,9 @@ ORACLE_HELP = ("; bench only: oracle:<ratio> recomputes the fused tokens whose r
 
 # where a run's reused chunk KV comes from (`bench fidelity --chunk-kv`)
 CHUNK_KV_MODES = ("precomputed", "in-context", "neighbours")
+# KV computed alone and KV warmed after neighbours, paired: the best measured combination (the
+# default policy on neighbour-warmed KV) beside CacheBlend at 15% on KV computed alone
+DEFAULT_CHUNK_KV = ("precomputed", "neighbours")
 
 
 def chunk_kv_list_arg(text: str) -> list[str]:
