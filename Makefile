@@ -76,8 +76,8 @@ $(VLLM_STAMP): pyproject.toml
 
 DATA ?= ../shared/data/musique_s.json
 bench-fidelity: model
-	$(BIN)/ragcache bench fidelity --data $(DATA) --n 10 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:16,epic:75,cachetune:0.15,cachecraft:0.3,cachecraft:1 --json bench-results/fidelity-all-musique.json
-	$(BIN)/ragcache bench fidelity --data fanoutqa --n 24 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:2,cachetune:0.15,cachecraft:0.3,cachecraft:1 --json bench-results/fidelity-all-fanoutqa.json
+	$(BIN)/ragcache bench fidelity --data $(DATA) --n 10 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:16,epic:75,cachetune:0.15,cachecraft:0.3,cachecraft:1 --chunk-kv precomputed --json bench-results/fidelity-all-musique.json
+	$(BIN)/ragcache bench fidelity --data fanoutqa --n 24 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:2,cachetune:0.15,cachecraft:0.3,cachecraft:1 --chunk-kv precomputed --json bench-results/fidelity-all-fanoutqa.json
 
 # chunk KV warmed after its nearest passages vs computed alone, paired question by question in one
 # command per set (docs/benchmarks.md, "Warming after neighbours"; ~1.5 h on 2 cores): writes
@@ -92,7 +92,7 @@ bench-neighbours: model
 NB_SWEEP = 1 2 3 4 6
 bench-neighbours-n: model
 	for set in "mq $(DATA) 100" "fq fanoutqa 150"; do set -- $$set; \
-	  $(BIN)/ragcache bench fidelity --data $$2 --start $$3 --n 40 $(NB_FLAGS) --policies full,cacheblend:0.15:temp1,cacheblend --json bench-results/ns/$$1-pre.json || exit 1; \
+	  $(BIN)/ragcache bench fidelity --data $$2 --start $$3 --n 40 $(NB_FLAGS) --policies full,cacheblend:0.15:temp1,cacheblend --chunk-kv precomputed --json bench-results/ns/$$1-pre.json || exit 1; \
 	  runs="pre=bench-results/ns/$$1-pre.json"; \
 	  for n in $(NB_SWEEP); do \
 	    $(BIN)/ragcache bench fidelity --data $$2 --start $$3 --n 40 $(NB_FLAGS) --policies full,cacheblend --chunk-kv neighbours --neighbours $$n --json bench-results/ns/$$1-n$$n.json || exit 1; \
