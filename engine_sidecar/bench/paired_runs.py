@@ -60,8 +60,13 @@ def pair_runs(specs: list[str], out: Path | None, baseline: str) -> str:
         if not sep or not label or not Path(path).is_file():
             raise InvalidPromptError(f"{spec!r}: give LABEL=PATH of a bench fidelity JSON or .partial.jsonl")
         runs.append((label, _rows(Path(path))))
-    return pair_loaded(runs, out, baseline, {"k": "-", "max_tokens": "-", "model": "(paired runs)",
-                                             "paired_from": specs})
+    config: dict[str, Any] = {"k": "-", "max_tokens": "-", "model": "(paired runs)"}
+    first = Path(specs[0].partition("=")[2])
+    if first.suffix == ".json":  # the set, k and model as the first run recorded them
+        recorded = json.loads(first.read_text(encoding="utf-8")).get("config", {})
+        config |= {key: recorded[key] for key in ("data", "k", "max_tokens", "model", "follow_up", "start")
+                   if key in recorded}
+    return pair_loaded(runs, out, baseline, {**config, "paired_from": specs})
 
 
 def pair_loaded(runs: list[tuple[str, list[dict[str, Any]]]], out: Path | None, baseline: str,
