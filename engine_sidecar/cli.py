@@ -144,7 +144,7 @@ def cmd_calibrate_temperature(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_fidelity(args: argparse.Namespace) -> int:
-    from engine_sidecar.bench.fidelity import run_fidelity
+    from engine_sidecar.bench.fidelity_modes import run_fidelity
 
     return run_fidelity(args)
 
