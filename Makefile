@@ -76,8 +76,8 @@ $(VLLM_STAMP): pyproject.toml
 
 DATA ?= ../shared/data/musique_s.json
 bench-fidelity: model
-	$(BIN)/ragcache bench fidelity --data $(DATA) --n 10 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:16,epic:75,cachetune:0.15,cachecraft:0.3,cachecraft:1 --chunk-kv precomputed --json bench-results/fidelity-all-musique.json
-	$(BIN)/ragcache bench fidelity --data fanoutqa --n 24 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15,epic:2,cachetune:0.15,cachecraft:0.3,cachecraft:1 --chunk-kv precomputed --json bench-results/fidelity-all-fanoutqa.json
+	$(BIN)/ragcache bench fidelity --data $(DATA) --n 10 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15:temp1,epic:16,epic:75,cachetune:0.15,cachecraft:0.3,cachecraft:1 --chunk-kv precomputed --json bench-results/fidelity-all-musique.json
+	$(BIN)/ragcache bench fidelity --data fanoutqa --n 24 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15:temp1,epic:2,cachetune:0.15,cachecraft:0.3,cachecraft:1 --chunk-kv precomputed --json bench-results/fidelity-all-fanoutqa.json
 
 # chunk KV warmed after its nearest passages vs computed alone, paired question by question in one
 # command per set (docs/benchmarks.md, "Warming after neighbours"; ~1.5 h on 2 cores): writes

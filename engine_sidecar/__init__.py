@@ -9,15 +9,23 @@ import os
 # effect when torch was imported before this package.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-try:
-    import torch  # noqa: E402, F401
-except ImportError as exc:  # the adapters install without it; the engine does not run without it
-    raise ImportError("the ragcache engine needs its `engine` extra: install torch==2.13.0 first (a CPU "
-                      "build, or the CUDA build you want), then `pip install 'ragcache[engine]'`") from exc
+_EXPORTS = {"Engine": "engine_sidecar.engine", "EngineConfig": "engine_sidecar.engine_config",
+            "RagCacheError": "engine_sidecar.errors", "GenerationStream": "engine_sidecar.sequence"}
 
-from engine_sidecar.engine import Engine  # noqa: E402
-from engine_sidecar.engine_config import EngineConfig  # noqa: E402
-from engine_sidecar.errors import RagCacheError  # noqa: E402
-from engine_sidecar.sequence import GenerationStream  # noqa: E402
+
+def __getattr__(name: str):
+    # imported on first use, so `ragcache` can say which extra a command needs before torch loads
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(name)
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:  # the adapters install without it; the engine does not run without it
+        raise ImportError("the ragcache engine needs its `engine` extra: install torch==2.13.0 first (a CPU "
+                          "build, or the CUDA build you want), then `pip install 'ragcache[engine]'`") from exc
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = ["Engine", "EngineConfig", "GenerationStream", "RagCacheError"]

@@ -1,4 +1,4 @@
-"""Attention temperatures (`tempT`, issue 16) fitted for a model, which the engine applies to a
+"""Attention temperatures (`tempT`) fitted for a model, which the engine applies to a
 policy that names none.
 
 A fit belongs to a model's weights (whatever dtype they run in) and to the policy family it was

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from engine_sidecar.bench.policy_specs import (
     BASELINE,
@@ -19,7 +20,7 @@ from engine_sidecar.bench.policy_specs import (
     fidelity_policy_list_arg,
 )
 from engine_sidecar.engine_args import add_engine_arguments, engine_from_args
-from engine_sidecar.errors import RagCacheError
+from engine_sidecar.errors import InvalidPromptError, RagCacheError
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, policy_arg, policy_help
 
 POLICY_HELP = policy_help()
@@ -73,8 +74,26 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 
 def cmd_cache_clear(args: argparse.Namespace) -> int:
-    with engine_from_args(args) as engine:
-        print(f"removed {engine.clear_cache(args.chunk_id)} cache entries")
+    """The disk tier's files, without loading a model; refused while a sidecar serves the folder
+    (it would go on listing what it holds in RAM and in its index)."""
+    from engine_sidecar.paths import default_cache_dir
+    from engine_sidecar.store.disk import DiskTier, folder_owner
+
+    folder = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    if not folder.is_dir():
+        print(f"removed 0 cache entries (no cache folder at {folder})")
+        return 0
+    owner = folder_owner(folder)
+    if owner is not None:
+        raise InvalidPromptError(f"a running process (pid {owner}, a sidecar) serves from {folder}: clear through "
+                                 "it, `curl -X DELETE 'http://HOST:PORT/v1/cache?all_tenants=true'` (add "
+                                 "`chunk_id=ID` for one chunk), or stop it first")
+    tier = DiskTier(folder)
+    digests = tier.digests_of(args.chunk_id) if args.chunk_id is not None else set(tier.digests())
+    for digest in digests:
+        tier.remove(digest)
+    tier.flush()
+    print(f"removed {len(digests)} cache entries from {folder}")
     return 0
 
 
@@ -191,12 +210,42 @@ def cmd_bench_prefill(args: argparse.Namespace) -> int:
     return run_prefill(args)
 
 
+def cmd_bench_gpu(args: argparse.Namespace) -> int:
+    from engine_sidecar.bench.gpu import run_gpu_bench
+    from engine_sidecar.bench.gpu_args import finish_arguments
+
+    try:
+        finish_arguments(args)
+    except ValueError as exc:
+        raise InvalidPromptError(str(exc)) from None
+    report = run_gpu_bench(args)
+    return 0 if report.get("guards", {}).get("pass") else 1
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ragcache")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A bad flag is one line naming it and the fix (argparse's default prints the whole usage
+    first, which buries the reason); `--help` still prints the usage. Subcommands inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="ragcache",
         description="Chunk-level KV-cache reuse for RAG: a sidecar engine that reuses retrieved chunks' KV.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug information")
+    parser.add_argument("--version", action="version", version=f"ragcache {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     model = sub.add_parser("model", help="prepare or inspect the model").add_subparsers(
@@ -238,9 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     cache = sub.add_parser("cache", help="manage the chunk cache").add_subparsers(
         dest="cache_command", metavar="ACTION", required=True)
-    clear = cache.add_parser("clear", help="delete cached chunk KV (all, or one chunk id)")
-    clear.add_argument("--chunk-id", default=None)
-    add_engine_arguments(clear)
+    clear = cache.add_parser("clear", help="delete cached chunk KV from the disk tier (all, or one chunk id)",
+                             description="Deletes the disk tier's chunk KV files (no model is loaded). Refused while "
+                                         "a sidecar serves from the folder: clear a running sidecar with "
+                                         "DELETE /v1/cache instead.")
+    clear.add_argument("--chunk-id", default=None, help="only this chunk id's entries (the default tenant's)")
+    clear.add_argument("--cache-dir", type=Path, default=None,
+                       help="the disk tier folder (default $RAGCACHE_HOME/kv, ~/.cache/ragcache/kv)")
     clear.set_defaults(func=cmd_cache_clear)
 
     serve = sub.add_parser("serve", help="run the sidecar HTTP service (native + OpenAI-compatible API)",
@@ -460,6 +513,18 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF model folder")
     pre.add_argument("--json", type=Path, default=None, help="write every run as JSON here (and the table as .md)")
     pre.set_defaults(func=cmd_bench_prefill)
+
+    from engine_sidecar.bench.gpu_args import add_gpu_arguments  # argparse only: no torch import
+
+    gpu = bench.add_parser("gpu", help="the engine on a GPU beside its floors: kernels, guards, TTFT per policy on "
+                           "Llama-1B/8B shapes, decode tokens/s", description="On a CUDA machine (or --device cpu "
+                           "--quick as a dry run): Triton vs torch kernels, the correctness guards on the device, TTFT "
+                           "per policy on random-weight Llama-1B and Llama-8B shapes (stored passages in a new order "
+                           "plus a new question) with transformers' full prefill beside, decode tokens/s at 1, 8 and 32 "
+                           "concurrent requests, and the floors from the measured memory bandwidth and matmul peak. "
+                           "Writes OUT/bench-gpu.json and OUT/bench-gpu.md; exits 1 if a guard fails.")
+    add_gpu_arguments(gpu)
+    gpu.set_defaults(func=cmd_bench_gpu)
 
     from engine_sidecar.bench.load import add_load_arguments  # argparse only: no server or torch import
 

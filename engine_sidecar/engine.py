@@ -23,6 +23,7 @@ from engine_sidecar.conversation import ConversationStore
 from engine_sidecar.cptree import CPTree
 from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.eos import eos_token_ids
+from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError, NonFiniteLogitsError
 from engine_sidecar.executor import PrefillResult
 from engine_sidecar.fingerprint import model_fingerprint, tokenizer_fingerprint, weights_fingerprint
 from engine_sidecar.keys import KeyFactory
@@ -44,7 +45,7 @@ from engine_sidecar.sequence import GenerationStream, Sequence
 from engine_sidecar.split_prefill import SplitPrefill
 from engine_sidecar.stats import request_stats
 from engine_sidecar.store.chunk_store import ChunkStore
-from engine_sidecar.store.entry import CacheKey, ChunkKV
+from engine_sidecar.store.entry import CacheKey, ChunkKV, finite_kv
 from engine_sidecar.store.redis_tier import RedisTier
 from engine_sidecar.turn_history import conversation_after_turn
 from engine_sidecar.warm import Pool, warm_chunks
@@ -80,7 +81,8 @@ class Engine:
         self.writer = ReuseWriter(store, self.keys, self.cptree, self.variants)
         self.precompute = Precomputer(runner, store, self.keys, self.writer, self._lock)
         self.prep = RequestPreparer(builder, self.access_table, store, self.keys, self.max_context,
-                                    fused_temperatures(config.reuse.fused_temperature, weights_fingerprint(model_dir)))
+                                    fused_temperatures(config.reuse.fused_temperature, weights_fingerprint(model_dir)),
+                                    runner.config.vocab_size)
         self.planning = PlanStage(self.planner, store, self.writer, self.costs, self.conversations, config)
         self.probes = FidelityProbes(runner, builder, self.prep, self._lock, self.planning, self._prefill,
                                      config.reuse.convention)
@@ -97,7 +99,12 @@ class Engine:
         if config.threads:
             torch.set_num_threads(config.threads)
         model_dir = resolve_model_dir(config.model)
-        runner = ModelRunner.load(model_dir, device=device, dtype=dtype)
+        return cls.from_runner(ModelRunner.load(model_dir, device=device, dtype=dtype), model_dir, config)
+
+    @classmethod
+    def from_runner(cls, runner: ModelRunner, model_dir: Path, config: EngineConfig) -> Engine:
+        """An engine around a runner already built (from_pretrained's loaded weights, or the GPU
+        benchmark's random ones); `model_dir` gives the tokenizer, template and fingerprints."""
         builder = PromptBuilder.load(model_dir)
         tiers = config.store
         disk_dir = (tiers.cache_dir or default_cache_dir()) if tiers.disk else None
@@ -162,6 +169,7 @@ class Engine:
                     tenant: str = "") -> GenerationStream:
         """A plain chat completion (no chunks): the whole prompt is computed fresh."""
         sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
+        self.prep.check_sampling(sampling)
         t0 = time.perf_counter()
         assembled = self.builder.build_chat(messages)
         self.prep.check_total(len(assembled), sampling.max_tokens)
@@ -206,8 +214,10 @@ class Engine:
         with a next turn or `wait_background`, finds both done)."""
         assert seq.planned is not None and seq.kv is not None
         if seq.prompt is not None and seq.prompt.conversation_id:
-            self.conversations.put(conversation_after_turn(self.runner, seq.prompt, seq.planned, seq.kv,
-                                                           seq.generated, seq.tenant))
+            turn = conversation_after_turn(self.runner, seq.prompt, seq.planned, seq.kv, seq.generated, seq.tenant)
+            if not finite_kv(turn.history.keys, turn.history.values):
+                raise NonFiniteKVError(NON_FINITE_MESSAGE)  # the next turn would read it
+            self.conversations.put(turn)
         for chunk_seg, prefix in seq.planned.background:
             self.precompute.enqueue_background(chunk_seg, prefix, seq.tenant)
         seq.finish()
@@ -220,6 +230,10 @@ class Engine:
         """Prefill, then commit what it computed (commit.py): a prefill that raises keeps nothing."""
         replan = (lambda: self.planning.plan(prompt, policy, tenant, lazy=False)) if prompt is not None else None
         planned, result = self.prefill_stage.run(planned, policy, capacity, times, replan)
+        # NaN or infinity anywhere in the KV reaches the last token's logits (every query attends
+        # to every earlier key), so finite logits clear the whole prefill for commit
+        if result.logits is not None and not bool(torch.isfinite(result.logits.max())):
+            raise NonFiniteLogitsError(NON_FINITE_MESSAGE)
         self.writer.commit(planned, result, tenant)
         return planned, result
 

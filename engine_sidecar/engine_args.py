@@ -18,6 +18,16 @@ def non_negative(text: str) -> float:
     return value
 
 
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535 (0: a free one), got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -44,7 +54,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--cache-dir", type=Path, default=None, help="disk tier folder (default: $RAGCACHE_HOME/kv)")
     p.add_argument("--no-disk", action="store_true", help="keep chunk KV in RAM only")
-    p.add_argument("--ram-cache-gb", type=float, default=2.0, help="RAM tier capacity in GB (default 2)")
+    p.add_argument("--ram-cache-gb", type=non_negative, default=2.0, help="RAM tier capacity in GiB (default 2)")
     p.add_argument("--disk-cache-gb", type=non_negative, default=20.0,
                    help="disk tier budget in GiB, least recently used files removed first (default 20; 0 = unlimited)")
     p.add_argument("--redis-url", default=None,
@@ -67,7 +77,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=64,
                    help="conversations whose KV is kept for their next turn, least recently used out first "
                         "(default 64; 0 keeps none)")
-    p.add_argument("--conversation-ram-gb", type=float, default=0.5,
+    p.add_argument("--conversation-ram-gb", type=non_negative, default=0.5,
                    help="RAM for all kept conversations' KV together, apart from --ram-cache-gb (default 0.5)")
     p.add_argument("--fused-temperature", type=fused_temperature_arg, default="auto",
                    help="attention temperature on reused chunk KV for a --policy without :tempT: auto (default) "

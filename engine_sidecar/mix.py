@@ -1,4 +1,4 @@
-"""Union of two recompute signals (issue 16, part 3): CacheBlend's KV deviation and prophet's
+"""Union of two recompute signals : CacheBlend's KV deviation and prophet's
 question attention.
 
 The two signals pick different tokens for different reasons: deviation finds tokens whose cached

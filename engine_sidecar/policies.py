@@ -416,7 +416,7 @@ class ProphetPolicy(Policy):
 
 
 class GatePolicy(ProphetPolicy):
-    """Confidence-gated budget (issue 16): the prophet probe runs the question over the reused
+    """Confidence-gated budget: the prophet probe runs the question over the reused
     KV through every layer and, for the last prompt token, on to the next-token distribution,
     which is exactly what `reuse` would answer first. Where that prediction is confident
     (p(top 1) - p(top 2) >= `threshold`) nothing is recomputed (plain reuse); otherwise the

@@ -1,4 +1,4 @@
-"""Question-driven multi-layer token selection (issue 16, part 3; ProphetKV, A3, CacheClip windows).
+"""Question-driven multi-layer token selection (ProphetKV, A3, CacheClip windows).
 
 A cheap probe runs first: the tokens without cached KV (the question, fresh chunks) go through
 every layer attending over the *reused* KV, exactly as under `reuse`. At each layer the question

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engine_sidecar.errors import PromptTooLongError
+from engine_sidecar.errors import InvalidPromptError, PromptTooLongError
 from engine_sidecar.keys import KeyFactory
 from engine_sidecar.planner import IN_CONTEXT
 from engine_sidecar.policies import Policy, parse_policy
@@ -17,9 +17,9 @@ from ragcache_integrations.types import Chunk, ChunkedPrompt, SamplingParams
 
 class RequestPreparer:
     def __init__(self, builder: PromptBuilder, access_table: ChunkAccessTable, store: ChunkStore, keys: KeyFactory,
-                 max_context: int, temperatures: Mapping[str, float] | None = None):
+                 max_context: int, temperatures: Mapping[str, float] | None = None, vocab_size: int | None = None):
         self.builder, self.access_table, self.store, self.keys = builder, access_table, store, keys
-        self.max_context = max_context
+        self.max_context, self.vocab_size = max_context, vocab_size
         # policy name -> the attention temperature a spec without tempT gets (calibration.py)
         self.temperatures = dict(temperatures or {})
 
@@ -31,10 +31,19 @@ class RequestPreparer:
                 f"({self.max_context}); split it into smaller chunks"
             )
 
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Stop token ids must name tokens of this model's vocabulary."""
+        vocab = self.vocab_size
+        for i, token_id in enumerate(sampling.stop_token_ids):
+            if vocab is not None and token_id >= vocab:
+                raise InvalidPromptError(f"sampling.stop_token_ids[{i}] is {token_id}; this model's token ids are "
+                                         f"0 to {vocab - 1}")
+
     def prepare(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None,
                  policy: str | Policy, order: str, tenant: str) -> tuple[ChunkedPrompt, SamplingParams, Policy]:
         prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
         sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
+        self.check_sampling(sampling)
         pol = policy if isinstance(policy, Policy) else parse_policy(policy, self.temperatures)
         check_order(order)
         # counts are per tenant: one tenant's traffic must not reorder (or reveal) another's chunks

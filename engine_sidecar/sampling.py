@@ -6,19 +6,37 @@ from collections.abc import Callable
 
 import torch
 
+from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteLogitsError
 from ragcache_integrations.types import SamplingParams
+
+# Below this temperature sampling is greedy (vLLM uses the same floor): logits divided by a
+# smaller number overflow to infinity, softmax turns them into NaN, and no token can be drawn.
+GREEDY_BELOW = 1e-5
 
 
 def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    if params.temperature == 0.0:
-        return int(torch.argmax(logits))
+    """The next token: greedy at a temperature below GREEDY_BELOW, else drawn from the tempered,
+    top-p-cut distribution. NaN or +inf among the logits raises NonFiniteLogitsError (-inf is a
+    masked token and fine); greedy reads the check and the choice back in one host sync."""
+    # the max propagates NaN and is +inf if any logit is, and -inf only if every logit is
+    finite = torch.isfinite(logits.max())
+    if params.temperature < GREEDY_BELOW:
+        token_id, ok = torch.stack([torch.argmax(logits), finite.to(torch.long)]).tolist()
+        if not ok:
+            raise NonFiniteLogitsError(NON_FINITE_MESSAGE)
+        return int(token_id)
+    if not bool(finite):
+        raise NonFiniteLogitsError(NON_FINITE_MESSAGE)
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    try:
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    except RuntimeError:  # finite logits so large that dividing by the temperature overflowed
+        raise NonFiniteLogitsError(NON_FINITE_MESSAGE) from None
 
 
 class TextAccumulator:

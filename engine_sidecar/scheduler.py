@@ -5,6 +5,11 @@ sequences and in reserved KV rows) or one batched decode step over every running
 Prefill goes first: a new request's first token waits for at most one decode step, and decode
 steps grow cheaper per token as the batch fills. The engine's lock is held for one step at a
 time, so warm-ups, cache clears and fidelity probes interleave between steps.
+
+A failure belongs to the sequence it came from: an exception in one sequence's prefill, sampling
+or completion fails that request and frees its slot while the others keep stepping. A fault
+outside any one sequence stops the loop; then every queued and running request fails at once,
+new ones are refused, and `failure` says why (`/health` answers 503 with it).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from engine_sidecar.errors import EngineUnavailableError
 from engine_sidecar.executor import decode_batch
 from engine_sidecar.sequence import Sequence
 
@@ -24,7 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ragcache.scheduler")
 
 
-class SchedulerClosed(RuntimeError):
+class SchedulerClosed(EngineUnavailableError):
     pass
 
 
@@ -43,6 +49,7 @@ class Scheduler:
         self._running: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.failure: str | None = None  # why the stepping loop stopped on a fault, if it did
         self.steps_prefill = 0
         self.steps_decode = 0
         self.decode_batch_sum = 0  # sequences decoded over all decode steps (mean batch = sum / steps)
@@ -58,6 +65,8 @@ class Scheduler:
 
     def submit(self, seq: Sequence) -> None:
         with self._cond:
+            if self.failure is not None:
+                raise SchedulerClosed(f"the engine's scheduler stopped on a fault ({self.failure}); restart the server")
             if self._stopping:
                 raise SchedulerClosed("the engine is closed")
             self._waiting.append(seq)
@@ -77,6 +86,20 @@ class Scheduler:
 
     # --- the stepping thread -------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._step_until_stopped()
+        except BaseException as exc:  # a fault outside any one sequence: nothing may wait forever
+            log.exception("the scheduler loop stopped")
+            with self._cond:
+                self.failure = f"{type(exc).__name__}: {exc}"
+                pending = list(self._waiting) + self._running
+                self._waiting.clear()
+                self._running = []
+            for seq in pending:
+                seq.release()
+                seq.fail(SchedulerClosed(f"the engine's scheduler stopped on a fault ({self.failure})"))
+
+    def _step_until_stopped(self) -> None:
         while True:
             with self._cond:
                 while not self._stopping and not self._waiting and not self._running:
@@ -147,7 +170,13 @@ class Scheduler:
             return
         still: list[Sequence] = []
         for seq, row in zip(batch, logits, strict=True):
-            if seq.accept(row):
+            try:
+                more = seq.accept(row)
+            except Exception as exc:  # this sequence's own (its sampling, its text): the others go on
+                seq.release()
+                seq.fail(exc)
+                continue
+            if more:
                 still.append(seq)
             else:
                 self._finish(seq)

@@ -13,6 +13,8 @@ from pydantic_core import PydanticCustomError
 
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, policy_help
 from ragcache_integrations.types import (
+    MAX_CONVERSATION_ID_CHARS,
+    ChatRole,
     Chunk,
     ChunkedPrompt,
     GenerationResult,
@@ -194,7 +196,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     # "developer" is the newer OpenAI name for a system message
-    role: Literal["system", "developer", "user", "assistant"]
+    role: ChatRole
     content: str | list[TextPart]
     name: str | None = None
 
@@ -233,7 +235,7 @@ class ChatCompletionRequest(_Body):
                         description=f"Extension: recompute policy, {policy_help()}")
     order: Order = "preserve"
     tenant: str | None = _tenant_field()
-    conversation_id: str | None = Field(default=None, max_length=256)
+    conversation_id: str | None = Field(default=None, max_length=MAX_CONVERSATION_ID_CHARS)
 
     _strings = field_validator("chunks", mode="before")(classmethod(lambda cls, v: _chunks_from_strings(v)))
 
@@ -266,6 +268,20 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     ragcache: GenerationStats = Field(description="Extension: what reuse saved for this request")
+
+
+class ModelCard(BaseModel):
+    id: str = Field(description="The model's name: what `model` in a chat completion echoes")
+    object: Literal["model"] = "model"
+    created: int = Field(description="When the server started (Unix seconds)")
+    owned_by: str = "ragcache"
+
+
+class ModelList(BaseModel):
+    """OpenAI's `GET /v1/models`: the one model this sidecar serves."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 class ChatDelta(BaseModel):
@@ -308,6 +324,7 @@ class ErrorResponse(BaseModel):
 __all__ = [
     "MAX_SEED", "TENANT_HEADER", "TENANT_PATTERN", "AssistantMessage", "CacheStats", "ChatChoice",
     "ChatChunkChoice", "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatDelta",
-    "ChatMessage", "ClearResponse", "ErrorBody", "ErrorResponse", "GenerateRequest", "GenerateResponse",
+    "ChatMessage", "ClearResponse", "ErrorBody", "ErrorResponse", "GenerateRequest", "GenerateResponse", "ModelCard",
+    "ModelList",
     "GenerationStats", "HealthResponse", "RequestSampling", "StreamOptions", "TextPart", "Usage", "WarmRequest", "WarmResponse",
 ]

@@ -15,6 +15,7 @@ result state.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -237,16 +238,16 @@ class HttpBackend:
         self._model_name: str | None = None
         self._facts_loaded = False
 
-    # --- model facts, looked up once and lazily (a sidecar may start after the app) ----------
+    # --- model facts, looked up lazily until a lookup succeeds (a sidecar may start after the app)
     def _load_facts(self) -> None:
         if self._facts_loaded:
             return
-        self._facts_loaded = True
         try:
             with self._client_module.RagCacheClient(self.base_url, **self._options) as c:
                 health = c.health()
-        except Exception:  # facts are optional; generation reports a real error if any
+        except Exception:  # not up yet: the next call asks again; generation reports a real error if any
             return
+        self._facts_loaded = True
         self._model_name = health.model
         if self._context_window is None:
             self._context_window = health.context_window
@@ -325,11 +326,27 @@ class HttpBackend:
         return self.astream(ChunkedPrompt(messages=messages), sampling, policy="full", tenant=tenant)
 
 
+BASE_URL_ENV, API_KEY_ENV = "RAGCACHE_BASE_URL", "RAGCACHE_API_KEY"
+
+
+def sidecar_address(engine: Any, base_url: str | None, api_base: str | None = None,
+                    api_key: str | None = None) -> tuple[str | None, str | None]:
+    """(base URL, API key) an adapter was given: `base_url` or `api_base` (OpenAI clients' name),
+    else $RAGCACHE_BASE_URL when no engine is given; the key, else $RAGCACHE_API_KEY."""
+    if base_url is not None and api_base is not None and base_url != api_base:
+        raise ValueError(f"base_url={base_url!r} and api_base={api_base!r} disagree: give one of them")
+    url = base_url or api_base
+    if url is None and engine is None:
+        url = os.environ.get(BASE_URL_ENV) or None
+    return url, api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+
+
 def make_backend(engine: Any = None, base_url: str | None = None, api_key: str | None = None,
                  **http_options: Any) -> Backend:
     """The backend for an adapter's `engine=` / `base_url=` arguments (exactly one of them)."""
     if (engine is None) == (base_url is None):
-        raise ValueError("give exactly one of engine= (an in-process Engine) or base_url= (a sidecar URL)")
+        raise ValueError(f"give exactly one of engine= (an in-process Engine) or base_url= (a sidecar URL, also "
+                         f"read from ${BASE_URL_ENV})")
     if engine is not None:
         return EngineBackend(engine)
     assert base_url is not None

@@ -69,7 +69,17 @@ class APITimeoutError(APIConnectionError):
 def _transport_error(exc: httpx.TransportError, base_url: object) -> APIConnectionError:
     if isinstance(exc, httpx.TimeoutException):
         return APITimeoutError(f"no answer from {base_url} in time: {exc!r}")
+    if isinstance(exc, httpx.ConnectError):
+        return APIConnectionError(f"cannot connect to {base_url} ({exc}): is `ragcache serve` running at that "
+                                  "address? It prints the address it serves on when it starts")
     return APIConnectionError(f"connection to {base_url} failed: {exc!r}")
+
+
+def server_root(base_url: str) -> str:
+    """The sidecar's root URL. OpenAI clients are given `.../v1`; this client adds `/v1/...` itself,
+    so a trailing `/v1` (an OpenAI habit) is taken off rather than ending in a bare 404."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 def _error_from(status: int, body: bytes, reason: str) -> RagCacheAPIError:
@@ -78,6 +88,8 @@ def _error_from(status: int, body: bytes, reason: str) -> RagCacheAPIError:
         message, field, code = err.get("message") or reason, err.get("field"), err.get("code")
     except (ValueError, AttributeError):
         message, field, code = body.decode("utf-8", "replace")[:500] or reason, None, None
+    if status == 404 and code is None:  # not one of the sidecar's own errors: another server answered
+        message += " (is this a ragcache sidecar? `ragcache serve` prints the address to use)"
     kind = {401: AuthenticationError, 429: RateLimitError}.get(status)
     if kind is None:
         kind = ServerError if status >= 500 else InvalidRequestError
@@ -214,7 +226,7 @@ class RagCacheClient:
 
     def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 600.0,
                  retries: int = 3, backoff_s: float = 0.5, tenant: str | None = None):
-        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_headers(api_key, tenant))
+        self._http = httpx.Client(base_url=server_root(base_url), timeout=timeout, headers=_headers(api_key, tenant))
         self.retries, self.backoff_s, self.tenant = retries, backoff_s, tenant
         self.last_result: GenerateResponse | None = None
 
@@ -224,7 +236,9 @@ class RagCacheClient:
             last = attempt == self.retries
             try:
                 response = self._http.send(self._http.build_request(method, path, **kw), stream=stream)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent: safe to retry
+            except httpx.ConnectError as exc:  # nothing listens there (refused, unknown host): say so now
+                raise _transport_error(exc, self._http.base_url) from exc
+            except httpx.ConnectTimeout as exc:  # nothing was sent: safe to retry
                 if last:
                     raise _transport_error(exc, self._http.base_url) from exc
                 time.sleep(_retry_delay(attempt, self.backoff_s, None))
@@ -337,7 +351,8 @@ class AsyncRagCacheClient:
 
     def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 600.0,
                  retries: int = 3, backoff_s: float = 0.5, tenant: str | None = None):
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_headers(api_key, tenant))
+        self._http = httpx.AsyncClient(base_url=server_root(base_url), timeout=timeout,
+                                       headers=_headers(api_key, tenant))
         self.retries, self.backoff_s, self.tenant = retries, backoff_s, tenant
         self.last_result: GenerateResponse | None = None
 
@@ -346,7 +361,9 @@ class AsyncRagCacheClient:
             last = attempt == self.retries
             try:
                 response = await self._http.send(self._http.build_request(method, path, **kw), stream=stream)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent: safe to retry
+            except httpx.ConnectError as exc:  # nothing listens there (refused, unknown host): say so now
+                raise _transport_error(exc, self._http.base_url) from exc
+            except httpx.ConnectTimeout as exc:  # nothing was sent: safe to retry
                 if last:
                     raise _transport_error(exc, self._http.base_url) from exc
                 await asyncio.sleep(_retry_delay(attempt, self.backoff_s, None))

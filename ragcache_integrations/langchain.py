@@ -21,19 +21,23 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from langchain_core.callbacks.manager import adispatch_custom_event, dispatch_custom_event
-from langchain_core.documents import Document
-from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
-from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
-from langchain_core.runnables.config import run_in_executor
+from ragcache_integrations.extras import require
 
-from ragcache_integrations.backend import make_backend, stats_dict
-from ragcache_integrations.langchain_chat import ChunkCachedChatModel, to_chat_dicts
-from ragcache_integrations.langchain_observer import document_id
-from ragcache_integrations.langchain_retriever import ChunkOrderTransformer, ChunkTaggingRetriever
-from ragcache_integrations.policy_registry import DEFAULT_POLICY, check_policy
-from ragcache_integrations.recovery import with_chunks
-from ragcache_integrations.types import Chunk, ChunkedPrompt, SamplingParams
+require("langchain_core", "LangChain", "langchain")
+
+from langchain_core.callbacks.manager import adispatch_custom_event, dispatch_custom_event  # noqa: E402
+from langchain_core.documents import Document  # noqa: E402
+from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document  # noqa: E402
+from langchain_core.runnables import Runnable, RunnableConfig, ensure_config  # noqa: E402
+from langchain_core.runnables.config import run_in_executor  # noqa: E402
+
+from ragcache_integrations.backend import make_backend, sidecar_address, stats_dict  # noqa: E402
+from ragcache_integrations.langchain_chat import ChunkCachedChatModel, to_chat_dicts  # noqa: E402
+from ragcache_integrations.langchain_observer import document_id  # noqa: E402
+from ragcache_integrations.langchain_retriever import ChunkOrderTransformer, ChunkTaggingRetriever  # noqa: E402
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, check_policy  # noqa: E402
+from ragcache_integrations.recovery import with_chunks  # noqa: E402
+from ragcache_integrations.types import Chunk, ChunkedPrompt, SamplingParams  # noqa: E402
 
 __all__ = ["ChunkCachedChatModel", "ChunkCachedRunnable", "ChunkOrderTransformer", "ChunkTaggingRetriever"]
 
@@ -42,23 +46,28 @@ DEFAULT_DOCUMENT_SEPARATOR = "\n\n"
 
 
 class ChunkCachedRunnable(Runnable[dict, str]):
-    def __init__(self, *, engine: Any = None, base_url: str | None = None, api_key: str | None = None,
-                 prompt: BasePromptTemplate | None = None, document_prompt: BasePromptTemplate | None = None,
+    def __init__(self, *, engine: Any = None, base_url: str | None = None, api_base: str | None = None,
+                 api_key: str | None = None, prompt: BasePromptTemplate | None = None,
+                 document_prompt: BasePromptTemplate | None = None,
                  document_separator: str = DEFAULT_DOCUMENT_SEPARATOR, document_variable_name: str = "context",
                  system: str | None = None, policy: str = DEFAULT_POLICY, order: str = "preserve", tenant: str = "",
                  conversation_id: str | None = None, max_tokens: int = 256, temperature: float = 0.0,
-                 id_key: str = "id"):
+                 top_p: float = 1.0, stop: list[str] | str | None = None, seed: int | None = None,
+                 timeout: float = 600.0, max_retries: int = 3, id_key: str = "id"):
         if prompt is not None and conversation_id is not None:
             raise ValueError("conversation_id works with the engine's own layout: leave out prompt= to use it "
                              "(with prompt=, put the history in your template)")
         check_policy(policy)  # a typo fails here, naming the valid forms, not at the first request
-        self.backend = make_backend(engine, base_url, api_key)
+        url, key = sidecar_address(engine, base_url, api_base, api_key)
+        http = {"timeout": timeout, "retries": max_retries} if url is not None else {}
+        self.backend = make_backend(engine, url, key, **http)
         self.prompt = prompt
         self.document_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
         self.document_separator, self.document_variable_name = document_separator, document_variable_name
         self.system, self.policy, self.order, self.tenant = system, policy, order, tenant
         self.conversation_id, self.id_key = conversation_id, id_key
-        self.sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        self.sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop or [],
+                                       seed=seed)
         self.last_stats: dict[str, Any] = {}
 
     # --- the prompt -----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from ragcache_integrations.backend import (
     DeltaStream,
     LastCallMixin,
     make_backend,
+    sidecar_address,
     stats_dict,
 )
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, check_policy, forms_text
@@ -79,7 +80,8 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
     `response_metadata["ragcache"]`); `.last_prompt` the ChunkedPrompt it sent, None when the
     call went out as a plain chat (`last_stats["fallback_reason"]` says why)."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+    # an unknown setting (a typo, an OpenAI option this class lacks) is an error, never dropped
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True, extra="forbid")
 
     model_name: str | None = Field(default=None, alias="model", description="Label only: the engine has one model")
     policy: str = Field(default=DEFAULT_POLICY, description=f"Recompute policy: {forms_text()}")
@@ -94,6 +96,8 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
     seed: int | None = None
     timeout: float | None = Field(default=600.0, description="Seconds per sidecar request")
     max_retries: int = Field(default=3, ge=0, description="Sidecar retries on connection errors and 429/503")
+    streaming: bool = Field(default=False, description="Stream through invoke too (LangChain's switch: callbacks see "
+                            "each token)")
     recover_chunks: bool = Field(default=True, description="Look for retrieved documents in the messages")
     min_chunk_chars: int = Field(default=16, ge=1)
     id_key: str = Field(default="id", description="Document metadata key with a stable id (else Document.id)")
@@ -105,11 +109,12 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
     _last_stats: dict[str, Any] = PrivateAttr(default_factory=dict)
     _last_prompt: ChunkedPrompt | None = PrivateAttr(default=None)
 
-    def __init__(self, *, engine: Any = None, base_url: str | None = None, api_key: str | None = None,
-                 tokenizer: Any = None, **fields: Any):
+    def __init__(self, *, engine: Any = None, base_url: str | None = None, api_base: str | None = None,
+                 api_key: str | None = None, tokenizer: Any = None, **fields: Any):
         super().__init__(**fields)
+        url, key = sidecar_address(engine, base_url, api_base, api_key)
         http = {"timeout": self.timeout or 600.0, "retries": self.max_retries, "tokenizer": tokenizer}
-        self._backend = make_backend(engine, base_url, api_key, **(http if base_url is not None else {}))
+        self._backend = make_backend(engine, url, key, **(http if url is not None else {}))
         langchain_observer.install()
 
     @property
@@ -130,6 +135,11 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
         return params
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("ChunkCachedChatModel does not support tool calling: the models ragcache serves "
+                                  "have no tool format. Use it for answers over retrieved documents, and a "
+                                  "tool-calling model for agents")
 
     def get_num_tokens(self, text: str) -> int:
         # offline, with the model's own tokenizer (LangChain's default would fetch GPT-2's)

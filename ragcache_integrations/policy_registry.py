@@ -6,8 +6,9 @@ and documented the same way everywhere. Standard library only: the adapters impo
 must not pull torch.
 
 A spec is `name[:argument[:tag]...]`: `cacheblend`, `cacheblend:0.3`, `cacheblend:auto:gradual`,
-`epic:16`, `cachecraft:1:nostop`, `prophet:0.15:nowindow:probe8`, `cacheblend:0.15:temp1.1`. An
-empty argument means the default (`cacheblend::gradual`). A tag is the entry's one option word; for
+`epic:16`, `cachecraft:1:nostop`, `prophet:0.15:nowindow:probe8`, `cacheblend:0.15:temp1.1`. Every
+field is non-empty and every number is plain ASCII (`0.15`, `1e-1`, `16`), within its range
+(`ARG_RANGES`, `PROBE_RANGE`, `TEMP_RANGE`). A tag is the entry's one option word; for
 the policies that run the question probe, `probeL` (the probe stops after the first L layers); for
 every policy that fuses cached chunks, `tempT` (attention temperature T on the reused chunk KV, APE;
 `reuse:temp1.1` for the policy without an argument); each at most once, in any order.
@@ -17,17 +18,33 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 ArgKind = Literal["ratio", "k", "alpha"]
 
+# each numeric field's range, inclusive: a client may send any string, and a value far outside
+# what the engine can use (a probe deeper than any model, an attention temperature that turns
+# logits into infinity) must be refused here, never reach the model
+ARG_RANGES: dict[str, tuple[float, float]] = {
+    "ratio": (0.0, 1.0),
+    "k": (0, 65536),  # tokens per chunk: more than any chunk the server accepts
+    "alpha": (0.0, 100.0),
+}
+PROBE_RANGE = (1, 1024)  # layers
+TEMP_RANGE = (0.05, 20.0)  # attention temperature: a calibrated T is near 1; far outside, logits overflow
+
 # what each argument kind accepts, said the same way in every error message
 _ARG_RULES: dict[str, str] = {
     "ratio": "a number in [0, 1]",
-    "k": "a whole number >= 0",
-    "alpha": "a number >= 0",
+    "k": f"a whole number in [0, {ARG_RANGES['k'][1]}]",
+    "alpha": f"a number in [0, {ARG_RANGES['alpha'][1]:g}]",
 }
+
+# plain ASCII decimals only: float() and int() also take '٠.١', '1_0', ' 1', 'nan' and 'inf'
+_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?", re.ASCII)
+_WHOLE = re.compile(r"[0-9]+", re.ASCII)
 
 
 class PolicySpecError(ValueError):
@@ -136,7 +153,8 @@ def policy_help() -> str:
     """For `--policy` help and field descriptions: the grammar, then what each policy does."""
     lines = "; ".join(f"{p.name} = {p.summary}" for p in POLICIES)
     return (f"{forms_text()} (default {DEFAULT_POLICY}). {lines}. Every policy but full and prefix also takes "
-            f":{TEMP_TAG}T, an attention temperature T > 0 on the reused chunk KV (APE; e.g. cacheblend:0.15:temp1.1)")
+            f":{TEMP_TAG}T, an attention temperature T in [{TEMP_RANGE[0]:g}, {TEMP_RANGE[1]:g}] on the reused chunk KV "
+            f"(APE; e.g. cacheblend:0.15:temp1.1)")
 
 
 @dataclass(frozen=True)
@@ -155,11 +173,11 @@ def _value(entry: PolicyEntry, text: str, spec: str) -> float | int:
     assert entry.arg is not None and entry.default is not None
     bad = PolicySpecError(f"bad argument in policy '{spec}': {entry.arg} must be {_ARG_RULES[entry.arg]}, "
                           f"got '{text}' (form: {entry.form})")
-    try:
-        value: float | int = int(text) if entry.arg == "k" else float(text)
-    except ValueError:
-        raise bad from None
-    if not math.isfinite(value) or value < 0 or (entry.arg == "ratio" and value > 1):
+    if not (_WHOLE if entry.arg == "k" else _DECIMAL).fullmatch(text):
+        raise bad
+    value: float | int = int(text) if entry.arg == "k" else float(text)
+    low, high = ARG_RANGES[entry.arg]
+    if not (math.isfinite(value) and low <= value <= high):
         raise bad
     return value
 
@@ -170,33 +188,35 @@ def parse_policy_spec(spec: str) -> PolicySpec:
     entry = BY_NAME.get(name)
     if entry is None:
         raise PolicySpecError(f"unknown policy '{spec}': use {valid_policies_text()}")
+    if any(not part for part in parts):
+        raise PolicySpecError(f"bad policy '{spec}': a ':' must be followed by a value (form: {entry.form}; "
+                              f"leave a field out rather than empty)")
     if entry.arg is None:
         # no argument: only tags may follow (`reuse:temp1.1`)
-        if parts and not (entry.tempers and all(not p or p.startswith(TEMP_TAG) for p in parts)):
+        if parts and not (entry.tempers and all(p.startswith(TEMP_TAG) for p in parts)):
             raise PolicySpecError(f"bad argument in policy '{spec}': {name} takes no argument (form: {entry.form})")
         _, _, temperature = _tags(entry, parts, spec)
         return PolicySpec(name, temperature=temperature)
     arg = parts[0] if parts else ""
     option, probe_layers, temperature = _tags(entry, parts[1:], spec)
     auto = entry.auto and arg == "auto"
-    value = entry.default if arg == "" or auto else _value(entry, arg, spec)
+    value = entry.default if not parts or auto else _value(entry, arg, spec)
     return PolicySpec(name, value, auto, option, probe_layers, temperature)
 
 
 def _tags(entry: PolicyEntry, tags: list[str], spec: str) -> tuple[bool, int | None, float | None]:
     """(option word given, probe depth or None, temperature or None) from the tags after the
-    argument; empty tags are nothing (`cacheblend:0.2:` is `cacheblend:0.2`)."""
+    argument (none of them empty: the caller checked)."""
     option, probe_layers, temperature = False, None, None
     for tag in tags:
-        if not tag:
-            continue
         if entry.option is not None and tag == entry.option and not option:
             option = True
         elif entry.probe and tag.startswith(PROBE_TAG) and probe_layers is None:
             depth = tag[len(PROBE_TAG):]
-            if not (depth.isascii() and depth.isdigit()) or int(depth) < 1:
+            low, high = PROBE_RANGE
+            if not _WHOLE.fullmatch(depth) or not low <= int(depth) <= high:
                 raise PolicySpecError(f"bad argument in policy '{spec}': {PROBE_TAG}L needs L, the layers the "
-                                      f"probe runs, a whole number >= 1, got '{tag}' (form: {entry.form})")
+                                      f"probe runs, a whole number in [{low}, {high}], got '{tag}' (form: {entry.form})")
             probe_layers = int(depth)
         elif entry.tempers and tag.startswith(TEMP_TAG) and temperature is None:
             temperature = _temperature(tag, spec)
@@ -213,13 +233,11 @@ def _tags(entry: PolicyEntry, tags: list[str], spec: str) -> tuple[bool, int | N
 
 def _temperature(tag: str, spec: str) -> float:
     text = tag[len(TEMP_TAG):]
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0) or text.strip() != text:
+    low, high = TEMP_RANGE
+    value = float(text) if _DECIMAL.fullmatch(text) else math.nan
+    if not (math.isfinite(value) and low <= value <= high):
         raise PolicySpecError(f"bad argument in policy '{spec}': {TEMP_TAG}T needs T, the attention temperature on "
-                              f"the reused chunk KV, a number > 0, got '{tag}' (e.g. {TEMP_TAG}1.1)")
+                              f"the reused chunk KV, a number in [{low:g}, {high:g}], got '{tag}' (e.g. {TEMP_TAG}1.1)")
     return value
 
 
@@ -245,6 +263,6 @@ def policy_list_arg(text: str) -> str:
     return text
 
 
-__all__ = ["BY_NAME", "DEFAULT_POLICY", "NAMES", "POLICIES", "PROBE_TAG", "TEMP_TAG", "PolicyEntry", "PolicySpec", "PolicySpecError",
+__all__ = ["ARG_RANGES", "BY_NAME", "PROBE_RANGE", "TEMP_RANGE", "DEFAULT_POLICY", "NAMES", "POLICIES", "PROBE_TAG", "TEMP_TAG", "PolicyEntry", "PolicySpec", "PolicySpecError",
            "check_policy", "forms", "forms_text", "parse_policy_spec", "policy_arg", "policy_help", "policy_list_arg",
            "valid_policies_text"]

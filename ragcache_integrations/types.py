@@ -9,9 +9,18 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+# the roles a chat message may have on every route ("developer" is OpenAI's newer name for system)
+ChatRole = Literal["system", "developer", "user", "assistant"]
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
+MAX_CONVERSATION_ID_CHARS = 256
+# token ids are int32 in every tokenizer this engine loads; the model's own vocabulary bounds
+# them further (checked by the engine, which knows it)
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 _SPACE = re.compile(r"\s+")
 
@@ -71,9 +80,19 @@ class ChunkedPrompt(BaseModel):
     system: str = "You are a helpful assistant. Answer the question using the passages."
     chunks: list[Chunk] = Field(default_factory=list)
     question: str
-    conversation_id: str | None = None
+    conversation_id: str | None = Field(default=None, max_length=MAX_CONVERSATION_ID_CHARS)
     messages: list[dict[str, str]] | None = Field(
         default=None, description="Verbatim layout: chat messages ({role, content}) that contain the chunks' texts")
+
+    @field_validator("messages")
+    @classmethod
+    def _known_roles(cls, value: list[dict[str, str]] | None) -> list[dict[str, str]] | None:
+        for i, message in enumerate(value or []):
+            role = message.get("role")
+            if role not in CHAT_ROLES:
+                raise PydanticCustomError("unknown_role", "messages[{index}].role is {role}; use one of {roles}",
+                                          {"index": i, "role": repr(role), "roles": ", ".join(CHAT_ROLES)})
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -100,7 +119,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, le=5.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     seed: int | None = None
     # generate past the model's end-of-sequence tokens up to max_tokens, as vLLM's ignore_eos:
     # load benchmarks use it so every system decodes the same number of tokens

@@ -19,7 +19,7 @@ from tests.policy_prompt import PASSAGES, QUESTION
 
 def test_with_temperature_composes_the_grammar():
     assert with_temperature("reuse", 1.1) == "reuse:temp1.1"
-    assert with_temperature("cacheblend", 1.2) == "cacheblend::temp1.2"
+    assert with_temperature("cacheblend", 1.2) == "cacheblend:0.15:temp1.2"
     assert with_temperature("cacheblend:0.15", 0.95) == "cacheblend:0.15:temp0.95"
     assert with_temperature("prophet:0.15:nowindow", 1.0) == "prophet:0.15:nowindow:temp1"
     for spec in ("reuse", "cacheblend", "cacheblend:0.15", "epic:16", "mix:0.15:split:probe8"):
@@ -73,6 +73,6 @@ def test_the_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert parse_policy_spec(fit["best_spec"]).temperature == fit["best"]
     assert "use --policy cacheblend:0.2:temp" in capsys.readouterr().out
     for bad, message in ((["--policy", "full"], "reuses no chunk KV"), (["--start", "9"], "no records"),
-                         (["--temperatures", "0"], "numbers > 0")):
+                         (["--temperatures", "0"], "numbers in [0.05, 20]")):
         assert main(args + bad) != 0  # argparse: the last of a repeated flag wins
         assert message in capsys.readouterr().err

@@ -90,24 +90,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_connection_refused_is_retried_with_backoff_then_typed():
-    client = RagCacheClient(f"http://127.0.0.1:{_free_port()}", retries=2, backoff_s=0.05)
-    start = time.monotonic()
-    with pytest.raises(APIConnectionError, match="connection to"):
+def test_connection_refused_fails_at_once_naming_the_address(monkeypatch):
+    address = f"http://127.0.0.1:{_free_port()}"
+    client = RagCacheClient(address, retries=5, backoff_s=30)
+    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail(f"slept {s} s before failing: refused is not retried"))
+    with pytest.raises(APIConnectionError, match="is `ragcache serve` running at that address") as caught:
         client.health()
-    assert time.monotonic() - start >= 0.05 + 0.1  # two waits: 0.05, then 0.1
+    assert address in str(caught.value)
 
 
-def test_a_server_that_comes_up_late_is_reached_by_the_retries():
+def test_a_server_that_comes_up_later_is_reached_by_the_next_call():
     port = _free_port()
-    client = RagCacheClient(f"http://127.0.0.1:{port}", retries=6, backoff_s=0.1)
-    answer: list[object] = []
-    thread = threading.Thread(target=lambda: answer.append(client.health()))
-    thread.start()
-    time.sleep(0.3)
+    client = RagCacheClient(f"http://127.0.0.1:{port}", retries=0)
+    with pytest.raises(APIConnectionError):
+        client.health()
     with Scripted([], port=port):
-        thread.join(timeout=30)
-    assert answer and answer[0].status == "ok"
+        assert client.health().status == "ok"
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/"])
+def test_an_openai_style_base_url_reaches_the_sidecar(suffix):
+    with Scripted([]) as peer:
+        assert RagCacheClient(peer.base + suffix, retries=0).health().status == "ok"
+    assert peer.requests[0][1] == "/health"
+
+
+def test_a_404_from_another_server_asks_whether_it_is_a_sidecar():
+    with Scripted([(404, {"content-type": "text/plain"}, b"Not Found")]) as peer:
+        with pytest.raises(InvalidRequestError, match="is this a ragcache sidecar"):
+            RagCacheClient(peer.base, retries=0).health()
 
 
 def test_429_and_503_are_retried_after_retry_after():

@@ -17,7 +17,7 @@ import torch
 
 from engine_sidecar.store import disk as disk_module
 from engine_sidecar.store.chunk_store import ChunkStore
-from engine_sidecar.store.disk import DamagedCacheFile, DiskTier
+from engine_sidecar.store.disk import OWNER_FILE, DamagedCacheFile, DiskTier
 from engine_sidecar.store.entry import CacheKey, ChunkKV
 
 
@@ -32,7 +32,7 @@ def digest(i: int) -> str:
 
 
 def files(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.rglob("*") if p.is_file())
+    return sorted(p.name for p in directory.rglob("*") if p.is_file() and p.name != OWNER_FILE)
 
 
 def one_file_size(tmp_path: Path) -> int:

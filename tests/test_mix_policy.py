@@ -60,7 +60,9 @@ def test_split_selection_by_hand_and_candidates_respected():
 def test_grammar_parses_and_rejects():
     policy = parse_policy("mix:0.3")
     assert isinstance(policy, MixPolicy) and policy.ratio == 0.3 and policy.mode == "rank"
-    assert parse_policy("mix::split").mode == "split" and parse_policy("mix").ratio == 0.15
+    assert parse_policy("mix:0.15:split").mode == "split" and parse_policy("mix").ratio == 0.15
+    with pytest.raises(InvalidPromptError):  # an empty field is refused: spell the default out
+        parse_policy("mix::split")
     for bad in ("mix:auto", "mix:1.5", "mix:0.2:nowindow", "mix:0.2:split:x"):
         with pytest.raises(PolicySpecError):
             parse_policy_spec(bad)

@@ -52,7 +52,7 @@ def test_parsed_arguments_reach_the_policy_objects():
     assert (blend.ratio, blend.gradual, blend.auto) == (0.3, True, False)
     auto = parse_policy("cacheblend:auto")
     assert auto.auto and auto.ratio == 0.15 and not auto.gradual
-    assert parse_policy("cacheblend::gradual").gradual  # empty argument: the default ratio
+    assert parse_policy("cacheblend:0.15:gradual").gradual
     assert parse_policy("epic:4").k == 4 and parse_policy("epic").k == 16
     assert parse_policy("focus:0.25").ratio == 0.25
     tune = parse_policy("cachetune:auto")

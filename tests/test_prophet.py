@@ -96,7 +96,7 @@ def test_windows_by_hand():
 def test_grammar_parses_and_rejects():
     policy = parse_policy("prophet:0.3")
     assert isinstance(policy, ProphetPolicy) and policy.ratio == 0.3 and policy.radius == 1
-    assert parse_policy("prophet::nowindow").radius == 0 and parse_policy("prophet").ratio == 0.15
+    assert parse_policy("prophet:0.15:nowindow").radius == 0 and parse_policy("prophet").ratio == 0.15
     assert parse_policy_spec("prophet:0.2:nowindow").option
     for bad in ("prophet:auto", "prophet:1.5", "prophet:-0.1", "prophet:0.2:gradual", "prophet:0.2:nowindow:x"):
         with pytest.raises(PolicySpecError):
@@ -288,7 +288,7 @@ def test_probe_layers_stop_the_probe_and_count_only_its_layers(tiny_engine):
 
 @pytest.mark.parametrize("spec,layers,option", [
     ("prophet:0.2:probe8", 8, False), ("prophet:0.2:nowindow:probe3", 3, True),
-    ("prophet::probe2:nowindow", 2, True), ("mix:0.15:split:probe4", 4, True), ("mix:0.1:probe12", 12, False),
+    ("prophet:0.15:probe2:nowindow", 2, True), ("mix:0.15:split:probe4", 4, True), ("mix:0.1:probe12", 12, False),
 ])
 def test_probe_tag_grammar(spec, layers, option):
     parsed = parse_policy_spec(spec)

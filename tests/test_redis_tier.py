@@ -163,6 +163,32 @@ def test_a_damaged_entry_is_deleted_and_reported_as_a_miss(server, prefix, field
     assert reader.get(key()) is not None
 
 
+def test_non_finite_kv_is_never_written_nor_served(server, prefix, monkeypatch):
+    """Refused on put; an entry that holds NaN anyway (written by a store without the guard) is a
+    damaged entry on read: deleted, counted, a miss."""
+    import engine_sidecar.store.chunk_store as chunk_store
+    import engine_sidecar.store.redis_tier as redis_tier
+    from engine_sidecar.errors import NonFiniteKVError
+
+    poisoned = chunk(5)
+    poisoned.values[1, 2, 0, 1] = float("nan")
+    writer = store(server.url, prefix)
+    with pytest.raises(NonFiniteKVError):
+        writer.put(key("p"), poisoned)
+    writer.flush()
+    client = server.client()
+    assert client.exists(f"{prefix}:{key('p').digest}") == 0
+    with monkeypatch.context() as m:  # an older writer: no guard
+        m.setattr(chunk_store, "finite_kv", lambda *_: True)
+        m.setattr(redis_tier, "finite_kv", lambda *_: True)
+        writer.put(key("p"), poisoned)
+        writer.flush()
+    assert client.exists(f"{prefix}:{key('p').digest}") == 1
+    reader = store(server.url, prefix)
+    assert reader.get(key("p")) is None
+    assert reader.stats().redis_corrupt == 1 and client.exists(f"{prefix}:{key('p').digest}") == 0
+
+
 def test_an_entry_without_meta_is_a_partial_write_deleted_and_missed(server, prefix):
     writer = store(server.url, prefix)
     writer.put(key(), chunk(3))

@@ -20,7 +20,7 @@ def test_grammar():
     assert parse_policy_spec("cacheblend:0.15:temp1.1").temperature == pytest.approx(1.1)
     assert parse_policy_spec("reuse:temp0.9").temperature == pytest.approx(0.9)
     assert parse_policy_spec("prophet:0.15:nowindow:probe8:temp1.2").probe_layers == 8
-    assert parse_policy_spec("cacheblend::temp2").value == 0.15
+    assert parse_policy_spec("cacheblend:0.15:temp2").value == 0.15
     assert parse_policy_spec("cacheblend:0.15").temperature is None
     assert parse_policy("epic:16:temp1.25").temperature == pytest.approx(1.25)
     assert parse_policy("cacheblend").temperature == 1.0

@@ -42,8 +42,10 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_nothing_imports_the_cli():
+    # but the console script's launcher, which runs it and turns a missing extra into one line
     importers = sorted(name for name, deps in graph().items() if "engine_sidecar.cli" in deps)
-    assert importers == [], f"{importers} import engine_sidecar.cli: import engine_sidecar.engine_args instead"
+    assert importers == ["engine_sidecar.entry"], \
+        f"{importers} import engine_sidecar.cli: import engine_sidecar.engine_args instead"
 
 
 def test_tools_modules_form_no_cycle():

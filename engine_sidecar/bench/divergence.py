@@ -1,4 +1,4 @@
-"""Diagnostics for `ragcache bench fidelity` (issue 16, part 1): where a policy's prefill leaves
+"""Diagnostics for `ragcache bench fidelity` : where a policy's prefill leaves
 full prefill's path, layer by layer; and one full prefill that yields full's answer, the
 teacher-forced reference logits, the reference hidden states and the KV the oracle needs.
 

@@ -1,4 +1,4 @@
-"""`oracle:<ratio>`: a bench-only selection that knows full prefill's KV (issue 16, part 1).
+"""`oracle:<ratio>`: a bench-only selection that knows full prefill's KV.
 
 It recomputes, from layer 0 on every layer, the fused tokens whose reused (cached) KV differs most
 from the KV full prefill computes for the same prompt, summed over layers. No deployable selector

@@ -12,7 +12,7 @@ from ragcache_integrations.policy_registry import DEFAULT_POLICY, parse_policy_s
 ORACLE = "oracle"
 
 
-# the strongest new selectors of issue 16 (docs/benchmarks.md, "mix" section): shown by default so
+# the strongest question-driven selectors (docs/benchmarks.md, "mix" section): shown by default so
 # one `bench fidelity` command puts them beside the baseline they have to beat
 STRONGEST_NEW = ("prophet:0.15:nowindow", "mix:0.15:split")
 

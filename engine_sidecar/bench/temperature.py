@@ -1,5 +1,5 @@
 """`ragcache calibrate-temperature`: fit `tempT` (APE-style attention temperature on the reused
-chunk KV, issue 16) label-free, on a calibration split.
+chunk KV) label-free, on a calibration split.
 
 For each calibration question, full prefill gives its own greedy answer (the teacher: no gold
 answer is read); every candidate T then runs the policy with `:tempT`, teacher-forced along that
@@ -25,13 +25,20 @@ from engine_sidecar.bench.fidelity import agreement_and_kl, full_reference
 from engine_sidecar.calibration import save_fit
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.fingerprint import weights_fingerprint
-from ragcache_integrations.policy_registry import BY_NAME, TEMP_TAG, PolicySpecError, parse_policy_spec
+from ragcache_integrations.policy_registry import (
+    BY_NAME,
+    TEMP_RANGE,
+    TEMP_TAG,
+    PolicySpecError,
+    parse_policy_spec,
+)
 from ragcache_integrations.types import ChunkedPrompt
 
 
 def with_temperature(policy: str, temperature: float) -> str:
-    """`policy` with `:tempT` appended in the grammar's place (`reuse:temp1.1`, `cacheblend::temp1.1`,
-    `cacheblend:0.15:temp1.1`); the policy must fuse and must not carry a temperature already."""
+    """`policy` with `:tempT` appended in the grammar's place (`reuse:temp1.1`, `cacheblend:0.15:temp1.1`,
+    the default argument spelled out for a bare name); the policy must fuse and must not carry a
+    temperature already."""
     try:
         parsed = parse_policy_spec(policy)
     except PolicySpecError as exc:
@@ -41,18 +48,21 @@ def with_temperature(policy: str, temperature: float) -> str:
     if parsed.temperature is not None:
         raise InvalidPromptError(f"policy '{policy}' already sets {TEMP_TAG}T; give it without")
     tag = f"{TEMP_TAG}{temperature:g}"
-    if BY_NAME[parsed.name].arg is None or ":" in policy:
+    entry = BY_NAME[parsed.name]
+    if entry.arg is None or ":" in policy:
         return f"{policy}:{tag}"
-    return f"{policy}::{tag}"
+    return f"{policy}:{entry.default}:{tag}"
 
 
 def parse_temperatures(text: str) -> list[float]:
+    low, high = TEMP_RANGE
+    bad = InvalidPromptError(f"--temperatures: a comma list of numbers in [{low:g}, {high:g}], got '{text}'")
     try:
         values = [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise InvalidPromptError(f"--temperatures: a comma list of numbers > 0, got '{text}'") from None
-    if not values or any(not (v > 0 and v < float("inf")) for v in values):
-        raise InvalidPromptError(f"--temperatures: a comma list of numbers > 0, got '{text}'")
+        raise bad from None
+    if not values or any(not low <= v <= high for v in values):
+        raise bad
     return sorted(set(values))
 
 

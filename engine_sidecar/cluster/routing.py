@@ -28,11 +28,12 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-from uhashring import HashRing
+from typing import TYPE_CHECKING, Any
 
 from engine_sidecar.server.tenancy import scope_id
+
+if TYPE_CHECKING:
+    from uhashring import HashRing
 
 BYTES_PER_TOKEN = 4  # rough, for ranking only
 STATS_VERSION = 1
@@ -197,6 +198,8 @@ class HomeRing:
         names = frozenset(names)
         if names != self._names:
             self._names = names
+            from uhashring import HashRing  # the cluster extra's: imported when replicas run, not by the CLI
+
             self._ring = HashRing(nodes=sorted(names)) if names else None
         if self._ring is None:
             return []

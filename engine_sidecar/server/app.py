@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
+from engine_sidecar.server.auth_gate import ApiKeyGate
 from engine_sidecar.server.backend import ServingBackend, as_backend
 from engine_sidecar.server.body_limit import BodySizeLimit
 from engine_sidecar.server.context import ServerContext
@@ -55,8 +56,9 @@ def create_app(engine: Engine | ServingBackend, settings: ServerSettings | None 
     install_openapi(app)
     for router in (native_router(ctx), openai_router(ctx), admin_router(ctx)):
         app.include_router(router)
-    # added last = outermost: oversize bodies are refused before anything reads them, and
-    # every response (errors included) is counted
+    # added last = outermost: a request without the key is refused from its headers, oversize
+    # bodies before anything reads them, and every response (errors included) is counted
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ApiKeyGate, api_key=settings.api_key)
     app.add_middleware(RequestCounter, metrics=ctx.metrics)
     return app

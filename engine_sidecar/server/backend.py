@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from engine_sidecar.sequence import GenerationStream
+from engine_sidecar.server.errors import ApiError
 from engine_sidecar.warm import neighbour_index
 from ragcache_integrations.api_models import CacheStats
 from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, SamplingParams
@@ -97,6 +98,10 @@ class EngineBackend:
 
     def facts(self) -> EngineFacts:
         engine = self.engine
+        failure = engine.scheduler.failure
+        if failure is not None:  # /health must not say "ok" while every request would wait in vain
+            raise ApiError(503, f"the engine's scheduler stopped on a fault ({failure}); restart the server",
+                           None, "engine_failed")
         return EngineFacts(engine.model_dir.name, str(engine.model_dir), engine.max_context,
                            engine.runner.device.type, str(engine.runner.dtype).removeprefix("torch."))
 

@@ -121,7 +121,7 @@ class EngineCall:
             self._watcher.cancel()
         if self.outcome == "running":  # the caller stopped consuming: its client went away
             self.outcome = "disconnected"
-        self.ctx.metrics.job(self.endpoint, self.outcome, self.result)
+        self.ctx.metrics.job(self.endpoint, self.outcome, self.result, time.monotonic() - self.arrived)
 
     async def _watch(self) -> None:
         """Cancel the job when the client disconnects or the deadline passes. Starlette notices

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine_sidecar.errors import PromptTooLongError, RagCacheError
+from engine_sidecar.errors import RagCacheError
 from ragcache_integrations.api_models import ErrorBody, ErrorResponse
 
 _TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 504: "timeout_error"}
@@ -39,7 +39,7 @@ def error_response(status: int, message: str, field: str | None = None, code: st
 
 
 def engine_error_status(exc: RagCacheError) -> int:
-    return 413 if isinstance(exc, PromptTooLongError) else 400
+    return exc.http_status
 
 
 # pydantic names the member of a union in the error location ("str", "list[TextPart]"); a

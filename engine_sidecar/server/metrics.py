@@ -16,6 +16,16 @@ if TYPE_CHECKING:
     from engine_sidecar.store.chunk_store import ChunkStore
 
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 600)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+
+
+def reuse_outcome(hits: int, misses: int) -> str:
+    """How much of a request's chunks the cache held: hit (all), partial, miss (none), none (no chunk
+    looked up: no chunks, or policy full)."""
+    if not hits and not misses:
+        return "none"
+    return "hit" if not misses else "miss" if not hits else "partial"
 # ragcache_store_redis_events' event label -> its StoreStats counter
 _REDIS_EVENTS = {"hit": "hits_redis", "miss": "redis_misses", "corrupt": "redis_corrupt", "error": "redis_errors",
                  "breaker_open": "redis_breaker_opens", "skipped": "redis_skipped", "write": "redis_writes",
@@ -33,6 +43,15 @@ class ServerMetrics:
                             registry=r)
         self.ttft = Histogram("ragcache_ttft_seconds", "Request arrival to first token, queue wait included",
                               buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft_by = Histogram("ragcache_request_ttft_seconds", "Engine time to first token of completed "
+                                 "generations by chunk outcome (hit | partial | miss | none) and policy name",
+                                 ["outcome", "policy"], buckets=_TTFT_BUCKETS, registry=r)
+        self.request_seconds = Histogram("ragcache_request_seconds", "Request arrival to its last item, completed "
+                                         "engine work, by endpoint", ["endpoint"], buckets=_REQUEST_BUCKETS,
+                                         registry=r)
+        self.inter_token = Histogram("ragcache_inter_token_seconds", "Mean time between generated tokens of each "
+                                     "completed generation (decode time / (tokens - 1))", buckets=_TOKEN_BUCKETS,
+                                     registry=r)
         self.tokens = Counter("ragcache_prompt_tokens", "Prompt tokens by how they were obtained "
                               "(reused | recomputed | computed)", ["kind"], registry=r)
         self.generated = Counter("ragcache_generated_tokens", "Tokens generated", registry=r)
@@ -64,11 +83,19 @@ class ServerMetrics:
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
-    def job(self, endpoint: str, outcome: str, result: GenerationResult | None) -> None:
+    def job(self, endpoint: str, outcome: str, result: GenerationResult | None, seconds: float | None = None) -> None:
         self.jobs.labels(endpoint, outcome).inc()
+        if outcome == "completed" and seconds is not None:
+            self.request_seconds.labels(endpoint).observe(seconds)
         if result is None:
             return
         s = result.stats
+        # the policy's name only (not its arguments): label values stay few
+        self.ttft_by.labels(reuse_outcome(s.chunk_hits, s.chunk_misses), (s.policy or "none").split(":")[0]).observe(
+            s.ttft_s)
+        decode_s = s.stage_times.get("decode_s")
+        if decode_s is not None and len(result.token_ids) > 1:
+            self.inter_token.observe(decode_s / (len(result.token_ids) - 1))
         self.tokens.labels("reused").inc(s.tokens_reused)
         self.tokens.labels("recomputed").inc(s.tokens_recomputed)
         self.tokens.labels("computed").inc(s.tokens_computed_fresh)

@@ -35,9 +35,11 @@ from ragcache_integrations.api_models import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ModelCard,
+    ModelList,
     Usage,
 )
-from ragcache_integrations.types import ChunkedPrompt, GenerationResult, SamplingParams
+from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, SamplingParams
 
 
 def openai_router(ctx: ServerContext) -> APIRouter:
@@ -66,6 +68,12 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         return sse_response(_chat_events(call, completion_id, created, model, include_usage,
                                          settings.request_timeout_s))
 
+    started = int(time.time())
+
+    @router.get("/v1/models", response_model=ModelList, summary="The model this server serves (OpenAI's model list)")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.model_name, created=started)])
+
     return router
 
 
@@ -78,9 +86,23 @@ def _chunked(ctx: ServerContext, body: ChatCompletionRequest, sampling: Sampling
     if not users:
         raise ApiError(422, "messages: with chunks, a user message (the question) is required", "messages",
                        "question_missing")
-    systems = [m.text for m in body.messages if m.is_system]
-    prompt = ChunkedPrompt(chunks=scope_chunks(body.chunks, tenant), question=users[-1].text,
-                           conversation_id=body.conversation_id, **({"system": systems[0]} if systems else {}))
+    chunks = scope_chunks(body.chunks, tenant)
+    quoted = _quoted_in_messages(body, chunks)
+    if quoted is not None:
+        # the app already put the passages in its messages (as RAG frameworks do): keep its chat as
+        # it is, every turn included, and reuse the passages where they stand (the verbatim layout)
+        prompt = ChunkedPrompt(messages=_plain_messages(body), chunks=quoted, conversation_id=body.conversation_id)
+    else:
+        turns = [m for m in body.messages if not m.is_system]
+        if len(turns) > 1 or turns[-1] is not users[-1]:
+            raise ApiError(422, "messages: with chunks that are not quoted in the messages, send the system message "
+                                "and one user message (the question); earlier turns have no place in the "
+                                "system + chunks + question layout. Continue a conversation with conversation_id, or "
+                                "put the passages' text in the messages: then every turn is kept and the passages "
+                                "are still reused", "messages", "history_with_chunks")
+        systems = [m.text for m in body.messages if m.is_system]
+        prompt = ChunkedPrompt(chunks=chunks, question=users[-1].text, conversation_id=body.conversation_id,
+                               **({"system": systems[0]} if systems else {}))
 
     def make() -> Iterator[str | GenerationResult]:
         return ctx.backend.generate(prompt, sampling, body.policy, tenant, body.order)
@@ -88,9 +110,23 @@ def _chunked(ctx: ServerContext, body: ChatCompletionRequest, sampling: Sampling
     return make
 
 
-def _plain(ctx: ServerContext, body: ChatCompletionRequest, sampling: SamplingParams, tenant: str):
+def _plain_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
     # the chat template knows system/user/assistant; "developer" is OpenAI's newer name for system
-    messages = [{"role": "system" if m.is_system else m.role, "content": m.text} for m in body.messages]
+    return [{"role": "system" if m.is_system else m.role, "content": m.text} for m in body.messages]
+
+
+def _quoted_in_messages(body: ChatCompletionRequest, chunks: list[Chunk]) -> list[Chunk] | None:
+    """The chunks in the order the messages quote them, if every one is quoted verbatim; else None."""
+    text = "\n".join(m.text for m in body.messages)
+    where = [text.find(c.text) for c in chunks]
+    if not chunks or min(where) < 0 or any(not c.text.strip() for c in chunks):
+        return None
+    order = sorted(range(len(chunks)), key=lambda i: (where[i], i))
+    return [chunks[i] for i in order]
+
+
+def _plain(ctx: ServerContext, body: ChatCompletionRequest, sampling: SamplingParams, tenant: str):
+    messages = _plain_messages(body)
 
     def make() -> Iterator[str | GenerationResult]:
         return ctx.backend.chat(messages, sampling, tenant)

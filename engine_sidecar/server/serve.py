@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine_sidecar.engine_args import port_number
 from engine_sidecar.server.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ _DEFAULTS = ServerSettings()
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8808, help="port (default 8808; 0 picks a free one, printed)")
+    p.add_argument("--port", type=port_number, default=8808, help="port (default 8808; 0 picks a free one, printed)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $RAGCACHE_API_KEY, else no auth)")
     p.add_argument("--max-queue", type=int, default=_DEFAULTS.max_queue,

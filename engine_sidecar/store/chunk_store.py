@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
+from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError
 from engine_sidecar.store.disk import DiskTier
-from engine_sidecar.store.entry import CacheKey, ChunkKV
+from engine_sidecar.store.entry import CacheKey, ChunkKV, finite_kv
 from engine_sidecar.store.ram import RamTier
 from engine_sidecar.store.redis_tier import RedisTier
 
@@ -61,6 +62,7 @@ class ChunkStore:
         if self.disk is not None:
             self.disk.on_gone = self._forget_gone
         self.hits_ram = self.hits_disk = self.hits_redis = self.misses = 0
+        self.refused_non_finite = 0  # entries refused by `put` for holding NaN or infinity
         # (seconds, tokens) of each disk-tier read, for the engine's running cost estimate
         self.on_disk_load: Callable[[float, int], None] | None = None
         self.on_redis_load: Callable[[float, int], None] | None = None  # the same for Redis-tier reads
@@ -118,6 +120,11 @@ class ChunkStore:
                 or (self.redis is not None and self.redis.contains(digest)))
 
     def put(self, key: CacheKey, entry: ChunkKV) -> None:
+        """Keep one entry in every tier. KV holding NaN or infinity is refused (NonFiniteKVError) and
+        no tier changes: whatever computed it fails rather than poison later requests."""
+        if entry.reader is None and not finite_kv(entry.keys, entry.values):
+            self.refused_non_finite += 1
+            raise NonFiniteKVError(NON_FINITE_MESSAGE)
         digest = key.digest
         self._ram_put(digest, entry)
         if self.disk is not None:

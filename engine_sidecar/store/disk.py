@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from engine_sidecar.store.entry import ChunkKV
+from engine_sidecar.store.entry import ChunkKV, finite_kv
 from engine_sidecar.store.write_queue import WriteQueue
 
 log = logging.getLogger("ragcache.store")
@@ -57,8 +57,13 @@ class LayerReader:
         return int(self._row_sums.shape[0])
 
     def _verify(self, index: int, start: int, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        why = None
         if not torch.equal(_row_sums(keys, values)[0], self._row_sums[index, start:end]):
-            self.tier.forget_damaged(self.path, f"layer {index} rows {start}-{end} checksum mismatch")
+            why = "checksum mismatch"
+        elif not finite_kv(keys, values):  # intact, but reading it would poison the request
+            why = "NaN or infinity"
+        if why is not None:
+            self.tier.forget_damaged(self.path, f"layer {index} rows {start}-{end}: {why}")
             raise DamagedCacheFile(f"chunk cache file {self.path.name}: layer {index} is damaged")
 
     def read_into(self, entry: ChunkKV) -> None:
@@ -209,6 +214,8 @@ def _verify_file(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> None
     expected = _file_checksum(tensors, meta) if stored.startswith("2:") else _checksum(tensors)
     if stored != expected:
         raise ValueError("checksum mismatch")
+    if not finite_kv(tensors["keys"], tensors["values"]):
+        raise ValueError("NaN or infinity in the KV")
 
 
 class DiskTier:
@@ -225,6 +232,7 @@ class DiskTier:
         self._index: OrderedDict[str, _Indexed] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._scan()
+        _claim(self.directory)
         # a write removed while under way has its file deleted once written (`on_cancelled`)
         self._writes: WriteQueue[ChunkKV] = WriteQueue("ragcache-disk-writer", self._write_queued,
                                                        max_pending_bytes, on_cancelled=self._delete_file)
@@ -376,6 +384,8 @@ class DiskTier:
     def _write(self, digest: str, entry: ChunkKV) -> None:
         path = self.path_for(digest)
         keys, values = entry.keys.cpu().contiguous(), entry.values.cpu().contiguous()
+        if not finite_kv(keys, values):
+            raise ValueError("NaN or infinity in the KV: not written")
         token_ids = entry.token_ids.cpu().contiguous()
         scores = entry.tune_scores().contiguous()
         tensors = {"keys": keys, "values": values, "token_ids": token_ids, "tune_scores": scores,
@@ -508,6 +518,25 @@ class DiskTier:
         self.flush()
         for digest in self.digests():
             self.remove(digest)
+
+
+OWNER_FILE = ".owner"  # the pid of the process serving from the folder (one process per folder)
+
+
+def _claim(directory: Path) -> None:
+    try:
+        (directory / OWNER_FILE).write_text(str(os.getpid()))
+    except OSError:  # a read-only folder is still served; only `cache clear`'s check loses it
+        pass
+
+
+def folder_owner(directory: Path) -> int | None:
+    """The pid of another live process serving from this folder (a sidecar), if any."""
+    try:
+        pid = int((Path(directory) / OWNER_FILE).read_text().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    return pid if _pid_alive(pid) else None
 
 
 def _tmp_pid(name: str) -> int:

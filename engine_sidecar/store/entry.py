@@ -36,6 +36,12 @@ class CacheKey:
 IN_CONTEXT = "in-context"
 
 
+def finite_kv(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """No NaN or infinity anywhere: KV that held one would poison every later request reading it
+    (the softmax of any query that sees a NaN key is NaN). One host sync for both tensors."""
+    return bool(torch.isfinite(keys).all() & torch.isfinite(values).all())
+
+
 def warmed_after_neighbours(entry: ChunkKV) -> bool:
     return entry.meta.get("warmed") == "neighbours"
 

@@ -36,7 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
-from engine_sidecar.store.entry import ChunkKV
+from engine_sidecar.store.entry import ChunkKV, finite_kv
 from engine_sidecar.store.write_queue import WriteQueue
 
 log = logging.getLogger("ragcache.store")
@@ -310,6 +310,8 @@ class RedisTier:
             return None
         try:
             entry = decode(digest, fields)
+            if not finite_kv(entry.keys, entry.values):  # intact, but poisoned by whoever wrote it
+                raise ValueError("NaN or infinity in the KV")
         except Exception as exc:  # any damage at all ends as a miss, never a crash
             self._count("corrupt", f"{digest}: {exc}")
             log.warning("Redis entry %s is damaged (%s); deleting it, the chunk is recomputed", key, exc)
@@ -336,6 +338,8 @@ class RedisTier:
         """Write one entry now (on the calling thread): every data field, then `meta`, then the
         TTL, in one MULTI/EXEC; False if it was not written."""
         try:
+            if not finite_kv(entry.keys, entry.values):
+                raise ValueError("NaN or infinity in the KV")
             fields = encode(digest, entry, self.segment_bytes)
         except Exception as exc:  # noqa: BLE001 - an entry that cannot be encoded is not stored
             self._count("errors", f"{digest}: {exc!r}")

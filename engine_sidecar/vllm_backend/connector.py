@@ -180,7 +180,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_vllm_version()
         if vllm_config.device_config.device_type != "cpu":
-            raise RuntimeError("ragcache's vLLM connector supports vLLM's CPU backend only so far (issue 18)")
+            raise RuntimeError("ragcache's vLLM connector supports vLLM's CPU backend only so far")
         self.block_size = vllm_config.cache_config.block_size
         self.model_dir = vllm_config.model_config.model
         self.dtype = vllm_config.model_config.dtype

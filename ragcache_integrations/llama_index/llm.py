@@ -24,7 +24,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
@@ -35,6 +35,7 @@ from ragcache_integrations.backend import (
     DeltaStream,
     LastCallMixin,
     make_backend,
+    sidecar_address,
     stats_dict,
 )
 from ragcache_integrations.llama_index import observer
@@ -75,6 +76,13 @@ class ChunkCachedLLM(LastCallMixin, LLM):
     recover_chunks: bool = Field(default=True, description="Look for retrieved nodes in flattened prompts")
     min_chunk_chars: int = Field(default=16, ge=1, description="Shorter node texts are not matched")
     context_window: int | None = Field(default=None, description="Default: the model's context window")
+    model: str | None = Field(default=None, description="Label only (metadata, traces): the sidecar serves one "
+                              "model, whose name is used when this is left out")
+    timeout: float = Field(default=600.0, gt=0, description="Seconds per sidecar request")
+    max_retries: int = Field(default=3, ge=0, description="Sidecar retries on 429/503 and connect timeouts")
+
+    # an unknown setting (a typo, an OpenAI option this class lacks) is an error, never dropped
+    model_config = ConfigDict(extra="forbid")
 
     # a typo fails at construction, naming the valid forms, not at the first request
     _policy = field_validator("policy")(classmethod(lambda cls, v: check_policy(v)))
@@ -83,11 +91,14 @@ class ChunkCachedLLM(LastCallMixin, LLM):
     _last_stats: dict[str, Any] = PrivateAttr(default_factory=dict)
     _last_prompt: ChunkedPrompt | None = PrivateAttr(default=None)
 
-    def __init__(self, *, engine: Any = None, base_url: str | None = None, api_key: str | None = None,
-                 tokenizer: Any = None, **fields: Any):
+    def __init__(self, *, engine: Any = None, base_url: str | None = None, api_base: str | None = None,
+                 api_key: str | None = None, tokenizer: Any = None, **fields: Any):
+        """`base_url` (or `api_base`, OpenAILike's name; else $RAGCACHE_BASE_URL) for a sidecar,
+        `api_key` (else $RAGCACHE_API_KEY); or `engine=` for an in-process Engine."""
         super().__init__(**fields)
-        http = {"tokenizer": tokenizer} if base_url is not None and tokenizer is not None else {}
-        self._backend = make_backend(engine, base_url, api_key, **http)
+        url, key = sidecar_address(engine, base_url, api_base, api_key)
+        http = {"timeout": self.timeout, "retries": self.max_retries, "tokenizer": tokenizer}
+        self._backend = make_backend(engine, url, key, **(http if url is not None else {}))
         observer.install()
 
     @classmethod
@@ -99,7 +110,7 @@ class ChunkCachedLLM(LastCallMixin, LLM):
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(context_window=self.context_window or self._backend.context_window,
                            num_output=self.max_tokens, is_chat_model=True, is_function_calling_model=False,
-                           model_name=self._backend.model_name)
+                           model_name=self.model or self._backend.model_name)
 
     @property
     def tokenizer(self) -> Callable[[str], list[int]]:

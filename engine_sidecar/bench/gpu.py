@@ -1,0 +1,494 @@
+"""`ragcache bench gpu`: the engine on an accelerator in one command, beside its physical floors.
+
+Sections, each written to the JSON as soon as it finishes (a failing one records its error and
+the others still run):
+
+- **kernels**: Triton vs torch reference at production shapes (max abs difference), and their
+  timings (`ragcache_kernels.bench`); CUDA only.
+- **guards**: a small random Llama saved as a real model folder and loaded the normal way:
+  `full` prefill vs transformers, `cacheblend:1.0` vs `full`, and on CUDA the engine with Triton
+  kernels vs torch kernels (logits max abs difference, argmax agreement).
+- **ttft**: per model shape (Llama-3.2-1B, Llama-3-8B; random weights made on the device, since
+  speed does not depend on weight values), `--passages` stored passages of ~`--passage-tokens`
+  each, asked in a new order with a new question; the median TTFT per policy after warm-ups,
+  transformers' full prefill (sdpa) of the same length beside, and the floors: the weights read
+  once at the measured memory bandwidth, and the prefill's FLOPs at the measured matmul peak.
+- **decode**: output tokens/s at 1, 8 and 32 concurrent requests (`ignore_eos`), with the floor
+  one batched step costs (weights read once per step).
+
+Peaks are measured on the machine (a large device copy; a large bf16/fp32 matmul), not taken from
+a datasheet. `--device cpu --quick` is a dry run with tiny shapes (a CI test runs it).
+Needs torch and transformers (reference only); runs without fastapi or rich.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Llama shapes (hidden, intermediate, layers, heads, kv heads, head dim), as in their configs
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32),
+    "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128),
+}
+ROPE = {"rope_theta": 500000.0, "rope_type": "default"}
+POLICIES = ("full", "reuse", "cacheblend:0.15", "cacheblend", "epic:16", "cachecraft:1")
+QUESTION = "Which of the passages above names the person who founded the company, and in what year?"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
+BUNDLED_DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "demo.json"
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_s.json"
+
+
+# --- the machine -----------------------------------------------------------------------------------
+def describe_machine(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"device": device.type, "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, memory_gib=round(props.total_memory / 2**30, 1), sms=props.multi_processor_count)
+    else:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+            info["name"] = next(line.split(":", 1)[1].strip() for line in text.splitlines()
+                                if line.startswith("model name"))
+            flags = next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags"))
+            info["cpu_flags"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+        except (OSError, StopIteration):
+            info["name"] = platform.processor() or "cpu"
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], Any], repeats: int, warmups: int = 2) -> float:
+    """Median seconds of `fn` (synchronized), after warm-ups."""
+    for _ in range(warmups):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_peaks(device: torch.device, dtype: torch.dtype, quick: bool) -> dict[str, float]:
+    """Memory bandwidth (a device copy: read + write) and the matmul peak, measured here."""
+    n_bytes = (64 if quick else 1024) << 20
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    copy_s = timed(device, lambda: dst.copy_(src), 3 if quick else 10)
+    size = 512 if quick else 8192
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    mm_s = timed(device, lambda: a @ b, 3 if quick else 10)
+    return {"bandwidth_gb_s": round(2 * n_bytes / copy_s / 1e9, 1), "matmul_tflop_s": round(2 * size**3 / mm_s / 1e12, 2)}
+
+
+# --- models with random weights ----------------------------------------------------------------------
+def model_folder(shape: dict[str, Any], tokenizer_dir: Path, out: Path, vocab_size: int = 49152) -> Path:
+    """A model folder holding the tokenizer and a Llama config of `shape` (no weights: they are made
+    on the device by `random_runner`). The placeholder weights file keeps the fingerprints honest."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
+              "rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+              "rope_parameters": ROPE, "bos_token_id": 1, "eos_token_id": 2, **shape}
+    (out / "config.json").write_text(json.dumps(config))
+    save_file({"placeholder": torch.zeros(1)}, str(out / "model.safetensors"))
+    return out
+
+
+def random_runner(model_dir: Path, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A ModelRunner of the folder's shape with random weights made on the device (an 8B shape
+    never touches the host)."""
+    from engine_sidecar.model.config import load_config
+    from engine_sidecar.model.runner import ModelRunner
+    from engine_sidecar.model.weights import LayerWeights, ModelWeights
+
+    c = load_config(model_dir)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, device=device, generator=gen) * 0.02).to(dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device, dtype=dtype)
+
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layers = [LayerWeights(ones(c.hidden_size), rand(q + 2 * kv, c.hidden_size), None, rand(c.hidden_size, q),
+                           ones(c.hidden_size), rand(2 * c.intermediate_size, c.hidden_size),
+                           rand(c.hidden_size, c.intermediate_size), q, kv) for _ in range(c.num_layers)]
+    weights = ModelWeights(rand(c.vocab_size, c.hidden_size), layers, ones(c.hidden_size),
+                           rand(c.vocab_size, c.hidden_size))
+    return ModelRunner(c, weights, dtype, device)
+
+
+def engine_on(runner, model_dir: Path, **options):
+    from engine_sidecar.engine import Engine
+    from engine_sidecar.engine_config import EngineConfig
+
+    config = EngineConfig.from_options(model=str(model_dir), device=runner.device.type,
+                                       dtype=str(runner.dtype).removeprefix("torch."), disk=False, **options)
+    return Engine.from_runner(runner, model_dir, config)
+
+
+def hf_reference(shape: dict[str, Any], device: torch.device, dtype: torch.dtype):
+    """transformers' Llama of the same shape (random init, sdpa attention): the full-prefill peer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=32768,
+                         tie_word_embeddings=False, rope_parameters=ROPE, attn_implementation="sdpa", **shape)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def transformers_prefill_s(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tokens: int,
+                           repeats: int) -> float:
+    """Median seconds of transformers' full prefill of `tokens` random ids (the last token's logits)."""
+    model = hf_reference(shape, device, dtype)
+    ids = torch.randint(0, 49152, (1, tokens), device=device)
+    with torch.no_grad():
+        seconds = timed(device, lambda: model(ids, logits_to_keep=1), repeats)
+    model = None  # its memory back before the next model is made
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return seconds
+
+
+def param_bytes(shape: dict[str, Any], dtype: torch.dtype, vocab: int = 49152) -> int:
+    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    return (n * per_layer + 2 * vocab * h + h) * torch.empty((), dtype=dtype).element_size()
+
+
+def prefill_flops(shape: dict[str, Any], tokens: int, vocab: int = 49152) -> float:
+    """Matmul FLOPs of a causal prefill: 2 x params x tokens, plus QK^T and PV over the causal half,
+    plus the last token's lm_head."""
+    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    dense = 2 * tokens * n * (h * (q + 2 * kv) + q * h + 3 * h * i)
+    attention = n * 2 * 2 * q * tokens * tokens / 2
+    return dense + attention + 2 * vocab * h
+
+
+# --- passages ---------------------------------------------------------------------------------------
+def passages(count: int, tokens: int, encode: Callable[[str], list[int]], data: Path | None) -> list[str]:
+    """`count` passages of about `tokens` tokens each, joined from a QA set's passages."""
+    from engine_sidecar.bench.datasets import chunk_texts, load_dataset
+
+    source = data or (SHARED_DATA if SHARED_DATA.is_file() else BUNDLED_DATA)
+    texts = [t for record in load_dataset(source) for t in chunk_texts(record, 100) if len(t.split()) > 20]
+    if not texts:
+        raise ValueError(f"{source}: no passages to build prompts from")
+    out, i = [], 0
+    while len(out) < count:
+        parts: list[str] = []
+        while len(encode(" ".join(parts))) < tokens:
+            parts.append(texts[i % len(texts)])
+            i += 1
+        words = " ".join(parts).split()
+        while len(encode(" ".join(words))) > tokens and len(words) > 1:  # trim back to the length
+            words = words[: max(1, int(len(words) * 0.95))]
+        out.append(" ".join(words) + f" (passage {len(out)})")
+    return out
+
+
+# --- sections -----------------------------------------------------------------------------------------
+def kernels_section(device: torch.device, quick: bool) -> dict[str, Any]:
+    from ragcache_kernels import bench as kernel_bench
+    from ragcache_kernels import dispatch
+    from ragcache_kernels.rope import inv_frequencies
+
+    if device.type != "cuda" or not dispatch.triton_available():
+        return {"skipped": "Triton kernels run on CUDA only; on the CPU the torch references run"}
+    out: dict[str, Any] = {"max_abs_diff": {}}
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        for heads, kv_heads, dim, keys, ratio in ((32, 8, 128, 6231, 0.15), (32, 8, 64, 6231, 0.15),
+                                                  (32, 32, 128, 513, 1.0)):
+            queries = max(1, int(keys * ratio))
+            pos = torch.arange(keys, device=device)
+            picked = torch.randperm(keys, generator=gen)[:queries].sort().values.to(device)
+            q, k, v = (torch.randn(n, h, dim, generator=gen).to(device, dtype)
+                       for n, h in ((queries, heads), (keys, kv_heads), (keys, kv_heads)))
+            name = f"{str(dtype).removeprefix('torch.')} h{heads}/{kv_heads} d{dim} keys {keys} queries {queries}"
+            a = dispatch.selective_attention(q, k, v, pos[picked], pos, backend="torch")
+            b = dispatch.selective_attention(q, k, v, pos[picked], pos, backend="triton")
+            out["max_abs_diff"][f"attention {name}"] = float((a.float() - b.float()).abs().max())
+            inv = inv_frequencies(dim, 5e5).to(device)
+            a = dispatch.rotate_keys(k, pos, inv, backend="torch")
+            b = dispatch.rotate_keys(k, pos, inv, backend="triton")
+            out["max_abs_diff"][f"rope {name}"] = float((a.float() - b.float()).abs().max())
+    args = argparse.Namespace(model="llama8b", tokens=512 if quick else 8192, ratio=0.15, chunks=8, dtype="bfloat16",
+                              device=device.type, warmup=3, repeats=20, out=None)
+    out["timings"] = [{k: r[k] for k in ("op", "impl", "shape", "ms", "speedup_vs_reference")}
+                      for r in kernel_bench.run(args)["results"]]
+    return out
+
+
+def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
+                   data: Path | None) -> dict[str, Any]:
+    """Correctness on this device and dtype, on a real (saved and loaded) small random model."""
+    from engine_sidecar.engine import Engine
+    from ragcache_integrations.types import ChunkedPrompt
+
+    folder = model_folder(SHAPES["small"], tokenizer_dir, work / "guard-model")
+    reference = hf_reference(SHAPES["small"], torch.device("cpu"), torch.float32)
+    reference.save_pretrained(str(folder))  # real weights in the folder: the engine loads them as any model
+    tolerance = 2e-3 if dtype == torch.float32 else 0.1
+    engine = Engine.from_pretrained(folder, device=device.type, dtype=str(dtype).removeprefix("torch."), disk=False)
+    try:
+        chunks = passages(4, 120, lambda t: engine.builder.tokenizer.encode(t), data)
+        prompt = ChunkedPrompt(chunks=chunks, question=QUESTION)
+        full, _ = engine.prefill_logits(prompt, policy="full")
+        ids = torch.tensor([engine.builder.build(prompt).token_ids], device=device)
+        reference = reference.to(device=device, dtype=dtype)
+        with torch.no_grad():
+            hf = reference(ids, logits_to_keep=1).logits[0, -1]
+        engine.warm(chunks)
+        reordered = ChunkedPrompt(chunks=chunks[::-1], question=QUESTION)
+        ref_logits, _ = engine.prefill_logits(reordered, policy="full")
+        blend, _ = engine.prefill_logits(reordered, policy="cacheblend:1.0")
+        out: dict[str, Any] = {
+            "full_vs_transformers_max_abs": float((full.float() - hf.float()).abs().max()),
+            "full_vs_transformers_argmax_equal": int(full.argmax()) == int(hf.argmax()),
+            "cacheblend1_vs_full_max_abs": float((blend.float() - ref_logits.float()).abs().max()),
+            "tolerance": tolerance,
+        }
+        if device.type == "cuda":
+            previous = os.environ.get("RAGCACHE_KERNELS")
+            try:
+                os.environ["RAGCACHE_KERNELS"] = "torch"
+                torch_logits, _ = engine.prefill_logits(reordered, policy="cacheblend:0.15")
+                os.environ["RAGCACHE_KERNELS"] = "triton"
+                triton_logits, _ = engine.prefill_logits(reordered, policy="cacheblend:0.15")
+            finally:
+                os.environ.pop("RAGCACHE_KERNELS", None) if previous is None else os.environ.update(
+                    RAGCACHE_KERNELS=previous)
+            out["triton_vs_torch_engine_max_abs"] = float((torch_logits.float() - triton_logits.float()).abs().max())
+        out["pass"] = (out["full_vs_transformers_max_abs"] <= tolerance and out["cacheblend1_vs_full_max_abs"] <= tolerance
+                       and out.get("triton_vs_torch_engine_max_abs", 0.0) <= 4 * tolerance)
+        return out
+    finally:
+        engine.close()
+        del reference
+
+
+def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
+                 args: argparse.Namespace, peaks: dict[str, float]) -> dict[str, Any]:
+    from ragcache_integrations.types import ChunkedPrompt
+
+    shape = SHAPES[name]
+    folder = model_folder(shape, tokenizer_dir, work / f"model-{name}")
+    engine = engine_on(random_runner(folder, device, dtype), folder, ram_cache_bytes=args.ram_bytes)
+    try:
+        stored = passages(args.passages, args.passage_tokens, lambda t: engine.builder.tokenizer.encode(t), args.data)
+        engine.warm(stored)
+        rows: dict[str, Any] = {}
+        tokens = 0
+        for i, policy in enumerate(POLICIES):
+            # the stored passages in a new order (no exact prefix), a question never seen
+            order = stored[i % len(stored):] + stored[: i % len(stored)]
+            prompt = ChunkedPrompt(chunks=order[::-1] if i % 2 else order, question=f"{QUESTION} ({i})")
+            seconds = timed(device, lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol)[0].float().sum(),
+                            args.repeats)
+            _, stats = engine.prefill_logits(prompt, policy=policy)
+            tokens = stats.prefill_tokens_total
+            rows[policy] = {"ttft_ms": round(seconds * 1e3, 2), "computed_fraction": round(stats.computed_fraction, 3),
+                            "chunk_hits": stats.chunk_hits}
+    finally:
+        engine.close()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    hf_s = transformers_prefill_s(shape, device, dtype, tokens, args.repeats)
+    full = rows["full"]["ttft_ms"]
+    for row in rows.values():
+        row["speedup_vs_full"] = round(full / row["ttft_ms"], 2)
+    weights_ms = param_bytes(shape, dtype) / (peaks["bandwidth_gb_s"] * 1e9) * 1e3
+    return {"tokens": tokens, "policies": rows, "transformers_full_ms": round(hf_s * 1e3, 2),
+            "full_vs_transformers": round(full / (hf_s * 1e3), 2),
+            "floor_weights_read_ms": round(weights_ms, 3),
+            "floor_full_prefill_ms": round(prefill_flops(shape, tokens) / (peaks["matmul_tflop_s"] * 1e12) * 1e3, 2)}
+
+
+def decode_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
+                   args: argparse.Namespace, peaks: dict[str, float]) -> dict[str, Any]:
+    from ragcache_integrations.types import ChunkedPrompt
+
+    shape = SHAPES[name]
+    folder = model_folder(shape, tokenizer_dir, work / f"model-{name}")
+    engine = engine_on(random_runner(folder, device, dtype), folder, ram_cache_bytes=args.ram_bytes)
+    step_floor_s = param_bytes(shape, dtype) / (peaks["bandwidth_gb_s"] * 1e9)
+    out: dict[str, Any] = {"tokens_each": args.decode_tokens, "floor_step_ms": round(step_floor_s * 1e3, 3)}
+    try:
+        texts = passages(8, 200, lambda t: engine.builder.tokenizer.encode(t), args.data)
+        sampling = {"max_tokens": args.decode_tokens, "ignore_eos": True, "temperature": 0.0}
+
+        def ask(i: int, results: list) -> None:
+            results.append(engine.generate(ChunkedPrompt(chunks=[texts[i % len(texts)]], question=f"Summarize ({i})."),
+                                           sampling, policy="full"))
+
+        ask(0, [])  # warm-up
+        for clients in args.concurrency:
+            results: list = []
+            threads = [threading.Thread(target=ask, args=(i, results)) for i in range(clients)]
+            started = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - started
+            produced = sum(len(r.token_ids) for r in results)
+            out[f"{clients}"] = {"wall_s": round(wall, 3), "output_tokens": produced,
+                                 "tokens_per_s": round(produced / wall, 1),
+                                 "ttft_p50_s": round(statistics.median(r.stats.ttft_s for r in results), 4),
+                                 "floor_tokens_per_s": round(clients / step_floor_s, 1)}
+    finally:
+        engine.close()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+# --- the command ------------------------------------------------------------------------------------
+def run_gpu_bench(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[
+        args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")]
+    shapes = args.shapes
+    tokenizer_dir = args.tokenizer or _default_tokenizer()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"machine": describe_machine(device), "dtype": str(dtype).removeprefix("torch."),
+                              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                                         if k != "func"}, "seconds": {}}
+
+    def section(key: str, fn: Callable[[], Any]) -> Any:
+        print(f"== {key}", flush=True)
+        started = time.perf_counter()
+        try:
+            report[key] = fn()
+        except Exception as exc:  # noqa: BLE001 - one failing section must not lose the others
+            traceback.print_exc()
+            report[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        report["seconds"][key] = round(time.perf_counter() - started, 1)
+        write(args.out, report)
+        return report[key]
+
+    with tempfile.TemporaryDirectory(prefix="ragcache-bench-gpu-") as tmp:
+        work = Path(tmp)
+        peaks = section("peaks", lambda: measure_peaks(device, dtype, args.quick))
+        section("kernels", lambda: kernels_section(device, args.quick))
+        section("guards", lambda: guards_section(device, dtype, tokenizer_dir, work, args.data))
+        for name in shapes:
+            section(f"ttft_{name}", lambda n=name: ttft_section(n, device, dtype, tokenizer_dir, work, args, peaks))
+        section(f"decode_{shapes[-1]}", lambda: decode_section(shapes[-1], device, dtype, tokenizer_dir, work, args,
+                                                               peaks))
+    write(args.out, report)
+    print(markdown(report))
+    return report
+
+
+def _default_tokenizer() -> Path:
+    from engine_sidecar.model.prepare import resolve_model_dir
+
+    return resolve_model_dir("default")
+
+
+def write(out: Path, report: dict[str, Any]) -> None:
+    (out / "bench-gpu.json").write_text(json.dumps(report, indent=1))
+    (out / "bench-gpu.md").write_text(markdown(report) + "\n")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    where = m.get("name", m["device"]) + (f" ({', '.join(m['cpu_flags'])})" if m.get("cpu_flags") else "")
+    lines = [f"`ragcache bench gpu` on {where}, torch {m['torch']}, Triton {m.get('triton')}, {report['dtype']}", ""]
+    peaks = report.get("peaks", {})
+    if "bandwidth_gb_s" in peaks:
+        lines += [f"Measured peaks: copy bandwidth {peaks['bandwidth_gb_s']} GB/s, matmul "
+                  f"{peaks['matmul_tflop_s']} TFLOP/s.", ""]
+    guards = report.get("guards", {})
+    if "pass" in guards:
+        lines += [f"Guards: {'pass' if guards['pass'] else 'FAIL'} (full vs transformers "
+                  f"{guards['full_vs_transformers_max_abs']:.4g}, cacheblend:1.0 vs full "
+                  f"{guards['cacheblend1_vs_full_max_abs']:.4g}"
+                  + (f", Triton vs torch engine {guards['triton_vs_torch_engine_max_abs']:.4g}"
+                     if "triton_vs_torch_engine_max_abs" in guards else "") + f"; tolerance {guards['tolerance']})", ""]
+    for key, value in report.items():
+        if key.startswith("ttft_") and "policies" in value:
+            lines += [f"TTFT, {key[5:]} shape, {value['tokens']} tokens (ms; speed-up vs full):", "",
+                      "| " + " | ".join(value["policies"]) + " | transformers full | floor: weights | floor: full FLOPs |",
+                      "|" + "---|" * (len(value["policies"]) + 3),
+                      "| " + " | ".join(f"{r['ttft_ms']} ({r['speedup_vs_full']}×)" for r in value["policies"].values())
+                      + f" | {value['transformers_full_ms']} | {value['floor_weights_read_ms']} | "
+                        f"{value['floor_full_prefill_ms']} |", ""]
+        elif key.startswith("decode_") and "tokens_each" in value:
+            lines += [f"Decode, {key[7:]} shape, {value['tokens_each']} tokens each:", "",
+                      "| concurrent | tokens/s | floor tokens/s | TTFT p50 s |", "|---|---|---|---|"]
+            lines += [f"| {c} | {r['tokens_per_s']} | {r['floor_tokens_per_s']} | {r['ttft_p50_s']} |"
+                      for c, r in value.items() if isinstance(r, dict)]
+            lines.append("")
+        elif isinstance(value, dict) and "error" in value:
+            lines += [f"{key}: error: {value['error'].splitlines()[0]}", ""]
+    return "\n".join(lines).rstrip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine_sidecar.bench.gpu_args import add_gpu_arguments, finish_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m engine_sidecar.bench.gpu", description=__doc__.split("\n\n")[0])
+    add_gpu_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        finish_arguments(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    run_gpu_bench(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""`ragcache bench gpu`'s flags (argparse only: building the CLI's parser imports no torch)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+SHAPE_NAMES = ("tiny", "small", "1b", "8b")  # engine_sidecar.bench.gpu.SHAPES
+
+
+def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--shapes", default=None, help=f"comma list of model shapes from {', '.join(SHAPE_NAMES)} "
+                                                  "(default 1b,8b; tiny with --quick)")
+    p.add_argument("--quick", action="store_true", help="a dry run: tiny shapes, few repetitions, short decodes")
+    p.add_argument("--passages", type=int, default=None, help="stored passages per prompt (default 10; 3 with --quick)")
+    p.add_argument("--passage-tokens", type=int, default=None, help="tokens per passage (default 600; 60 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repetitions per cell, median reported "
+                                                            "(default 7; 2 with --quick)")
+    p.add_argument("--decode-tokens", type=int, default=None, help="tokens per request in the decode section "
+                                                                  "(default 128; 4 with --quick)")
+    p.add_argument("--concurrency", default=None, help="comma list of concurrent requests for decode "
+                                                       "(default 1,8,32; 1,2 with --quick)")
+    p.add_argument("--ram-gib", type=float, default=20.0, help="RAM (or device) budget of the chunk store, GiB")
+    p.add_argument("--tokenizer", type=Path, default=None, help="folder with the tokenizer files "
+                                                                "(default: the prepared default model's)")
+    p.add_argument("--data", type=Path, default=None, help="QA set whose passages fill the prompts "
+                                                           "(default ../shared/data/musique_s.json, else the bundled sample)")
+    p.add_argument("--out", type=Path, default=Path("bench-results/gpu"), help="folder for bench-gpu.json and .md")
+
+
+def finish_arguments(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the defaults that depend on --quick and check the ranges (one line each, before any work)."""
+    quick = args.quick
+    args.passages = args.passages or (3 if quick else 10)
+    args.passage_tokens = args.passage_tokens or (60 if quick else 600)
+    args.repeats = args.repeats or (2 if quick else 7)
+    args.decode_tokens = args.decode_tokens or (4 if quick else 128)
+    args.shapes = [s.strip() for s in (args.shapes or ("tiny" if quick else "1b,8b")).split(",") if s.strip()]
+    unknown = [s for s in args.shapes if s not in SHAPE_NAMES]
+    if unknown or not args.shapes:
+        raise ValueError(f"--shapes: unknown {', '.join(unknown) or '(none given)'}; use {', '.join(SHAPE_NAMES)}")
+    text = args.concurrency or ("1,2" if quick else "1,8,32")
+    try:
+        args.concurrency = [int(c) for c in str(text).split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency: a comma list of whole numbers, got '{text}'") from None
+    for name in ("passages", "passage_tokens", "repeats", "decode_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be at least 1")
+    if not args.concurrency or min(args.concurrency) < 1:
+        raise ValueError("--concurrency: whole numbers >= 1")
+    if args.ram_gib <= 0:
+        raise ValueError("--ram-gib: must be above 0")
+    args.ram_bytes = int(args.ram_gib * 2**30)
+    return args
