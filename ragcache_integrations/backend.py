@@ -382,5 +382,7 @@ STATS_KEYS = ("chunk_hits", "chunk_misses", "tokens_reused", "tokens_recomputed"
 def stats_dict(result: GenerationResult | None, **extra: Any) -> dict[str, Any]:
     """A result's stats as a plain dict (JSON-able), plus adapter facts such as `chunks_sent`."""
     stats = result.stats.model_dump() if result is not None else {}
+    if result is not None:
+        stats["finish_reason"] = result.finish_reason  # "length": cut at max_tokens
     stats.update(extra)
     return stats

@@ -72,6 +72,21 @@ def test_sse_turns_stream_sources_answer_and_reuse(chatbot):
     assert follow_up[-1][1]["tokens_reused"] > 0  # continues from turn 1's KV
 
 
+def test_a_follow_up_is_retrieved_with_the_questions_before_it(chatbot):
+    sse_events(chatbot.base, "follow-up", "Tell me about the Great Barrier Reef.")
+    follow_up = sse_events(chatbot.base, "follow-up", "Where is it?")
+    sources = follow_up[0][1]
+    assert sources["query"] == "Tell me about the Great Barrier Reef. Where is it?"
+    assert sources["sources"][0]["id"] == "reef.txt:0"  # "Where is it?" alone names no topic
+
+
+def test_an_answer_cut_at_the_length_limit_says_so(chatbot):
+    stats = sse_events(chatbot.base, "long-answer", "Describe the Nile, Mount Fuji and the reef in detail.")[-1][1]
+    assert stats["finish_reason"] in ("length", "stop")
+    assert (stats["finish_reason"] == "length") == (stats["decode_tokens"] >= 16)  # --max-tokens 16
+    assert "min ago" in stats["full_prefill_note"]
+
+
 def test_bad_requests_are_refused_with_a_reason(chatbot):
     bad_id = httpx.post(chatbot.base + "/api/chat", json={"conversation_id": "no spaces!", "question": "hi"})
     assert bad_id.status_code == 422 and "conversation_id" in bad_id.text
@@ -91,6 +106,8 @@ def test_page_in_headless_chromium(chatbot, tmp_path):
     assert "nile.txt:0" in first.sources
     assert "TTFT" in first.numbers and "reused" in second.numbers
     assert second.answer.strip() and second.tokens_reused > 0
+    for view in (first, second):  # a cut answer is marked, a finished one is not
+        assert view.cut == view.answer.endswith("[cut at the length limit]")
     assert shot.stat().st_size > 10_000
 
 

@@ -31,6 +31,7 @@ class TurnView:
     tokens_reused: int
     error: str
     sources: list[str]  # chunk ids shown under "Sources" after this turn
+    cut: bool = False  # the answer reached the length limit and the page marks it
 
 
 def chromium_path() -> str | None:
@@ -69,6 +70,7 @@ def drive(url: str, questions: list[str], screenshot: Path | None = None, timeou
                     tokens_reused=int(nums.get_attribute("data-reused") or -1),
                     error=" ".join(turn.locator(".error").all_inner_texts()),
                     sources=[s.get_attribute("data-chunk-id") or "" for s in page.locator(".source").all()],
+                    cut=turn.locator(".a").get_attribute("data-cut") == "true",
                 ))
             if screenshot is not None:
                 screenshot.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,10 @@ from examples.chatbot.chat import SYSTEM, make_retriever
 from ragcache_integrations.policy_registry import DEFAULT_POLICY
 
 MAX_CONVERSATIONS = 1000  # per page process; the least recently used is forgotten first
+# A follow-up ("Which novels is it based on?") names its topic only through the turns before it,
+# so it is retrieved with the conversation's last questions before it (history-aware retrieval,
+# without a model call: a small model's rewrite of the question is less reliable than the words)
+RETRIEVAL_HISTORY = 2
 CONVERSATION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 # The calibration passage for the per-token prefill cost: unrelated to any ingested text, so
 # measuring it neither warms nor pollutes the chunk cache the chat uses.
@@ -43,6 +47,7 @@ class FullPrefillCost:
     ms_per_token: float
     tokens: int
     ttft_s: float
+    measured_at: float  # Unix seconds: the estimate is as fresh as this
 
 
 class ChatService:
@@ -68,6 +73,7 @@ class ChatService:
         self._runnables: OrderedDict[str, Any] = OrderedDict()
         self._turn_locks: dict[str, asyncio.Lock] = {}
         self._turns: dict[str, int] = {}
+        self._questions: dict[str, list[str]] = {}  # each conversation's last questions, for retrieval
         self._retrieve_lock = threading.Lock()  # Qdrant local mode is one client on one folder
 
     def _runnable(self, conversation_id: str) -> Any:
@@ -80,6 +86,7 @@ class ChatService:
                 oldest, _ = self._runnables.popitem(last=False)
                 self._turns.pop(oldest, None)
                 self._turn_locks.pop(oldest, None)
+                self._questions.pop(oldest, None)
         self._runnables.move_to_end(conversation_id)
         return runnable
 
@@ -93,7 +100,7 @@ class ChatService:
             probe.invoke({"input": "What does the passage describe?", "context": [_CALIBRATION_TEXT]})
             stats = probe.last_stats
             tokens = max(int(stats["prefill_tokens_total"]), 1)
-            cost = FullPrefillCost(1000.0 * stats["ttft_s"] / tokens, tokens, stats["ttft_s"])
+            cost = FullPrefillCost(1000.0 * stats["ttft_s"] / tokens, tokens, stats["ttft_s"], time.time())
             best = cost if best is None or cost.ms_per_token < best.ms_per_token else best
         assert best is not None
         self.full_prefill = best
@@ -102,6 +109,10 @@ class ChatService:
     def retrieve(self, question: str) -> list[Any]:
         with self._retrieve_lock:
             return self.retriever.invoke(question)
+
+    def retrieval_query(self, conversation_id: str, question: str) -> str:
+        """The question, after the conversation's last questions: what retrieval searches for."""
+        return " ".join([*self._questions.get(conversation_id, [])[-RETRIEVAL_HISTORY:], question])
 
     async def turn(self, conversation_id: str, question: str) -> AsyncIterator[dict[str, Any]]:
         """Events: `sources`, then `delta`s, then `stats` (the turn's numbers)."""
@@ -112,9 +123,11 @@ class ChatService:
         lock = self._turn_locks.setdefault(conversation_id, asyncio.Lock())
         async with lock:
             started = time.perf_counter()
-            docs = await asyncio.to_thread(self.retrieve, question)
+            query = self.retrieval_query(conversation_id, question)
+            docs = await asyncio.to_thread(self.retrieve, query)
             retrieval_s = time.perf_counter() - started
-            yield {"type": "sources", "sources": [
+            self._questions.setdefault(conversation_id, []).append(question)
+            yield {"type": "sources", "query": query, "sources": [
                 {"id": d.id, "doc_id": d.metadata.get("doc_id"), "score": round(float(d.metadata.get("score", 0)), 4),
                  "text": d.page_content} for d in docs]}
             runnable = self._runnable(conversation_id)
@@ -135,12 +148,15 @@ class ChatService:
             "chunks": stats.get("chunk_hits", 0) + stats.get("chunk_misses", 0),
             "chunks_deduplicated": stats.get("chunks_deduplicated", 0),
             "policy": stats.get("policy", ""), "decode_tokens": stats.get("decode_tokens", 0),
+            # "length": the answer was cut at --max-tokens (the page marks it)
+            "finish_reason": stats.get("finish_reason", ""),
         }
         if self.full_prefill is not None:
             numbers["full_prefill_s"] = tokens * self.full_prefill.ms_per_token / 1000.0
             numbers["full_prefill_basis"] = "estimated"
+            age_s = time.time() - self.full_prefill.measured_at
             numbers["full_prefill_note"] = (f"{tokens} tokens x {self.full_prefill.ms_per_token:.2f} ms/token "
-                                            "(full prefill measured at start-up)")
+                                            f"(a full prefill measured {age_s / 60:.0f} min ago, at start-up)")
         return numbers
 
     def describe(self) -> dict[str, Any]:
