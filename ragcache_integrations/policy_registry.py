@@ -184,6 +184,15 @@ def _value(entry: PolicyEntry, text: str, spec: str) -> float | int:
 
 def parse_policy_spec(spec: str) -> PolicySpec:
     """Check a policy string against the grammar; raise `PolicySpecError` naming the valid forms."""
+    try:
+        return _parse(spec)
+    except PolicySpecError as exc:
+        # the message quotes what the client sent: control characters shown escaped, so the error
+        # stays one line whatever was sent
+        raise PolicySpecError("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(exc))) from None
+
+
+def _parse(spec: str) -> PolicySpec:
     name, *parts = spec.split(":")
     entry = BY_NAME.get(name)
     if entry is None:

@@ -49,12 +49,14 @@ def test_bad_flags_are_one_line_before_any_work(tmp_path, capsys, flag, value, m
 
 
 def test_it_runs_without_the_server_stack(smol_dir, tmp_path):
+    # on the bundled sample passages, as in a clone without ../shared/data beside it
+    bundled = str(ROOT / "examples" / "data" / "demo.json")
     code = ("import sys\n"
             "for name in ('fastapi', 'uvicorn', 'rich', 'starlette'):\n"
             "    sys.modules[name] = None  # importing any of them now fails\n"
             "from engine_sidecar.bench.gpu import main\n"
             f"raise SystemExit(main(['--device', 'cpu', '--quick', '--tokenizer', {str(smol_dir)!r}, "
-            f"'--out', {str(tmp_path)!r}, '--concurrency', '1']))\n")
+            f"'--out', {str(tmp_path)!r}, '--concurrency', '1', '--data', {bundled!r}]))\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "bench-gpu.json").read_text())

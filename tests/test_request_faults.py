@@ -151,6 +151,14 @@ def test_a_refused_policy_is_a_422_naming_the_field(client, spec):
     assert response.json()["error"]["field"] == "policy"
 
 
+@pytest.mark.parametrize("spec", ["\n", "cacheblend:0.1\t", "epic:\x00", "x\r\ny", "cacheblend:\u2028"])
+def test_a_refused_policy_message_stays_one_line_whatever_was_sent(client, spec):
+    response = _generate(client, GENERATE, policy=spec)
+    assert response.status_code == 422, response.text
+    message = response.json()["error"]["message"]
+    assert not any(not c.isprintable() for c in message), message
+
+
 def test_a_tiny_attention_temperature_cannot_poison_a_tenant(client, engine):
     """The reported poisoning: `temp1e-300` on a fused chunk stored NaN KV under the victim's
     tenant, and every later request of that tenant answered empty."""

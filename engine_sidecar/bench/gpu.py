@@ -55,7 +55,6 @@ POLICIES = ("full", "reuse", "cacheblend:0.15", "cacheblend", "epic:16", "cachec
 QUESTION = "Which of the passages above names the person who founded the company, and in what year?"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
-BUNDLED_DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "demo.json"
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_s.json"
 
 
@@ -216,11 +215,12 @@ def prefill_flops(shape: dict[str, Any], tokens: int, vocab: int = 49152) -> flo
 
 # --- passages ---------------------------------------------------------------------------------------
 def passages(count: int, tokens: int, encode: Callable[[str], list[int]], data: Path | None) -> list[str]:
-    """`count` passages of about `tokens` tokens each, joined from a QA set's passages."""
-    from engine_sidecar.bench.datasets import chunk_texts, load_dataset
+    """`count` passages of about `tokens` tokens each, joined from a QA set's passages (the bundled
+    sample's when neither `data` nor ../shared/data is there)."""
+    from engine_sidecar.bench.datasets import corpus_texts
 
-    source = data or (SHARED_DATA if SHARED_DATA.is_file() else BUNDLED_DATA)
-    texts = [t for record in load_dataset(source) for t in chunk_texts(record, 100) if len(t.split()) > 20]
+    texts, source = corpus_texts(data or (SHARED_DATA if SHARED_DATA.is_file() else None))
+    texts = [t for t in texts if len(t.split()) > 20]
     if not texts:
         raise ValueError(f"{source}: no passages to build prompts from")
     out, i = [], 0

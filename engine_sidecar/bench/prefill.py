@@ -17,7 +17,6 @@ from /metrics: first token minus scheduled) is reported beside it when the serve
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -29,24 +28,13 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
+from engine_sidecar.bench.datasets import corpus_texts
 from engine_sidecar.bench.report import args_config, publish
 from engine_sidecar.errors import InvalidPromptError
 
 SYSTEMS = ("engine", "engine-sdpa", "transformers", "vllm")
 CANONICAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-BUNDLED = Path(__file__).resolve().parents[2] / "examples" / "data" / "demo.json"
 _PREFILL_SUM = re.compile(r"^vllm:request_prefill_time_seconds_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
-
-
-def corpus_texts(data: Path | None) -> tuple[list[str], str]:
-    """Passages to build prompts from, and where they came from (musique_s.json-style records,
-    or the bundled demo passages when the file is missing)."""
-    if data is not None and data.is_file():
-        from engine_sidecar.bench.stream import load_corpus
-
-        return list(load_corpus(data).passages.values()), str(data)
-    texts = json.loads(BUNDLED.read_text(encoding="utf-8"))["passages"]
-    return [t if isinstance(t, str) else t["text"] for t in texts], f"bundled sample ({BUNDLED.name})"
 
 
 def build_prompts(texts: list[str], encode, lengths: list[int], repeats: int) -> dict[int, list[list[int]]]:
