@@ -83,19 +83,3 @@ def load_dataset(spec: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise InvalidPromptError(f"{path}: no such file (give a musique_s.json-format file, or 'fanoutqa')")
     return load_records(path)
-
-
-BUNDLED = Path(__file__).resolve().parents[2] / "examples" / "data" / "demo.json"
-
-
-def corpus_texts(data: Path | None) -> tuple[list[str], str]:
-    """Passages to build prompts from, and where they came from: musique_s.json-style records, a
-    `{"passages": [...]}` file like the bundled sample, or the bundled sample when `data` is missing."""
-    path = data if data is not None and data.is_file() else BUNDLED
-    raw = json.loads(path.read_text(encoding="utf-8")) if path.suffix == ".json" else None
-    if isinstance(raw, dict) and "passages" in raw:
-        texts = [t if isinstance(t, str) else t["text"] for t in raw["passages"]]
-        return texts, (f"bundled sample ({BUNDLED.name})" if path == BUNDLED else str(path))
-    from engine_sidecar.bench.stream import load_corpus
-
-    return list(load_corpus(path).passages.values()), str(path)

@@ -217,7 +217,7 @@ def prefill_flops(shape: dict[str, Any], tokens: int, vocab: int = 49152) -> flo
 def passages(count: int, tokens: int, encode: Callable[[str], list[int]], data: Path | None) -> list[str]:
     """`count` passages of about `tokens` tokens each, joined from a QA set's passages (the bundled
     sample's when neither `data` nor ../shared/data is there)."""
-    from engine_sidecar.bench.datasets import corpus_texts
+    from engine_sidecar.bench.stream import corpus_texts
 
     texts, source = corpus_texts(data or (SHARED_DATA if SHARED_DATA.is_file() else None))
     texts = [t for t in texts if len(t.split()) > 20]

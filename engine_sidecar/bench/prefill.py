@@ -28,8 +28,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from engine_sidecar.bench.datasets import corpus_texts
 from engine_sidecar.bench.report import args_config, publish
+from engine_sidecar.bench.stream import corpus_texts
 from engine_sidecar.errors import InvalidPromptError
 
 SYSTEMS = ("engine", "engine-sdpa", "transformers", "vllm")

@@ -8,6 +8,7 @@ with each question asked of one document of the set. Retrieval is MiniLM top-k."
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -175,3 +176,18 @@ def overlap_fractions(orders: list[list[str]]) -> tuple[float, float]:
         seen.update(order)
         prefixes.update(tuple(order[: i + 1]) for i in range(len(order)))
     return (aligned / count, total / count) if count else (0.0, 0.0)
+
+
+
+BUNDLED = Path(__file__).resolve().parents[2] / "examples" / "data" / "demo.json"
+
+
+def corpus_texts(data: Path | None) -> tuple[list[str], str]:
+    """Passages to build prompts from, and where they came from: musique_s.json-style records, a
+    `{"passages": [...]}` file like the bundled sample, or the bundled sample when `data` is missing."""
+    path = data if data is not None and data.is_file() else BUNDLED
+    raw = json.loads(path.read_text(encoding="utf-8")) if path.suffix == ".json" else None
+    if isinstance(raw, dict) and "passages" in raw:
+        texts = [t if isinstance(t, str) else t["text"] for t in raw["passages"]]
+        return texts, (f"bundled sample ({BUNDLED.name})" if path == BUNDLED else str(path))
+    return list(load_corpus(path).passages.values()), str(path)
