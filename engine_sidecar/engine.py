@@ -201,12 +201,19 @@ class Engine:
                                                 self.max_context)
             seq.times["plan_s"] = time.perf_counter() - started
         capacity = planned.plan.num_tokens + seq.sampling.max_tokens + 1
-        planned, result = self._prefill(planned, seq.policy, seq.prompt, seq.tenant, capacity, seq.times)
+        planned, result = self._prefill(planned, seq.policy, seq.prompt, seq.tenant, capacity, seq.times,
+                                        commit=False)
         seq.planned = planned
         assert result.logits is not None
         stats = request_stats(planned, result, time.perf_counter() - seq.t0, seq.policy, seq.times,
                               self.runner.num_layers, self.config.reuse.convention)
-        return seq.begin_decoding(result.logits, result.kv, stats, self.builder.decode, self.eos_ids)
+        more = seq.begin_decoding(result.logits, result.kv, stats, self.builder.decode, self.eos_ids)
+        # the first token is out: what the prefill computed is kept now, off the time to first
+        # token, and before any decode step (or a next request) could want it
+        committed = time.perf_counter()
+        self.writer.commit(planned, result, seq.tenant)
+        seq.times["commit_s"] = time.perf_counter() - committed
+        return more
 
     def _complete(self, seq: Sequence) -> None:
         """Scheduler step after a sequence's last token: keep its conversation and queue its
@@ -226,15 +233,17 @@ class Engine:
         return self.planning.lookup(key)
 
     def _prefill(self, planned: PlannedRequest, policy: Policy, prompt: ChunkedPrompt | None, tenant: str,
-                 capacity: int, times: dict[str, float]) -> tuple[PlannedRequest, PrefillResult]:
-        """Prefill, then commit what it computed (commit.py): a prefill that raises keeps nothing."""
+                 capacity: int, times: dict[str, float], commit: bool = True) -> tuple[PlannedRequest, PrefillResult]:
+        """Prefill, then (unless the caller commits later) commit what it computed (commit.py): a
+        prefill that raises keeps nothing."""
         replan = (lambda: self.planning.plan(prompt, policy, tenant, lazy=False)) if prompt is not None else None
         planned, result = self.prefill_stage.run(planned, policy, capacity, times, replan)
         # NaN or infinity anywhere in the KV reaches the last token's logits (every query attends
         # to every earlier key), so finite logits clear the whole prefill for commit
         if result.logits is not None and not bool(torch.isfinite(result.logits.max())):
             raise NonFiniteLogitsError(NON_FINITE_MESSAGE)
-        self.writer.commit(planned, result, tenant)
+        if commit:
+            self.writer.commit(planned, result, tenant)
         return planned, result
 
     # --- housekeeping ------------------------------------------------------------------------

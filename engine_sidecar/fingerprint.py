@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -70,5 +73,15 @@ def tokenizer_fingerprint(model_dir: Path, chat_template: str | None) -> str:
     return h.hexdigest()
 
 
-def token_ids_digest(token_ids: list[int]) -> str:
-    return hashlib.blake2b(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes(), digest_size=16).hexdigest()
+def token_ids_digest(token_ids: Sequence[int]) -> str:
+    """The content identity of a token sequence: blake2b of its ids as int64 in the machine's
+    byte order (the bytes stored keys were always named by)."""
+    return _digest_of(tuple(token_ids))
+
+
+# A planned request names the same passages' tokens a few dozen times (keys per context, chain
+# digests, CP-Tree edges); remembering the last few thousand digests takes that hashing off the
+# request path. The tuples are mostly the ones the prompt builder's token cache holds already.
+@functools.lru_cache(maxsize=4096)
+def _digest_of(token_ids: tuple[int, ...]) -> str:
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()

@@ -23,7 +23,7 @@ class KeyFactory:
     convention: str  # "isolated" or "after-prefix": the context a chunk precomputed alone is keyed under
 
     def for_tokens(self, token_ids: tuple[int, ...] | list[int], tenant: str, context: str) -> CacheKey:
-        return self.for_digest(token_ids_digest(list(token_ids)), tenant, context)
+        return self.for_digest(token_ids_digest(token_ids), tenant, context)
 
     def for_digest(self, tokens_digest: str, tenant: str, context: str) -> CacheKey:
         return CacheKey(self.model_fp, self.tokenizer_fp, tokens_digest, tenant, context)
@@ -35,5 +35,5 @@ class KeyFactory:
     def chunk_context(self, prefix: Segment) -> str:
         """The context of a chunk's KV computed alone (warm-ups, inline and background precompute)."""
         if self.convention == "after-prefix":
-            return "after:" + token_ids_digest(list(prefix.token_ids))
+            return "after:" + token_ids_digest(prefix.token_ids)
         return "isolated"

@@ -98,7 +98,7 @@ class Planner:
         self.state = state
 
     def root_digest(self, prefix: Segment, tenant: str) -> str:
-        return chain_digest(tenant, token_ids_digest(list(prefix.token_ids)))
+        return chain_digest(tenant, token_ids_digest(prefix.token_ids))
 
     def node_key(self, node: CPNode) -> CacheKey:
         return self.state.keys.for_node(node)
@@ -204,7 +204,7 @@ class Planner:
             span = PlanSpan(seg.kind, pos, seg.token_ids, "fresh", chunk_id=seg.chunk_id)
             chain_before = chain
             if chain is not None:
-                chain = chain_digest(chain, token_ids_digest(list(seg.token_ids)))
+                chain = chain_digest(chain, token_ids_digest(seg.token_ids))
             if seg.kind == "chunk":
                 i = chunk_index
                 chunk_index += 1

@@ -16,7 +16,7 @@ import numpy as np
 
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.fingerprint import token_ids_digest
-from ragcache_integrations.types import Chunk, ChunkedPrompt, normalize_text
+from ragcache_integrations.types import Chunk, ChunkedPrompt
 
 SegmentKind = Literal["prefix", "chunk", "question", "history", "separator"]
 _CHUNKS_MARK = "\u2063RAGCACHE_CHUNKS\u2063"
@@ -34,7 +34,7 @@ class Segment:
 
 def segment_digest(segment: Segment) -> str:
     """A segment's content identity: the digest of its token ids."""
-    return token_ids_digest(list(segment.token_ids))
+    return token_ids_digest(segment.token_ids)
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self._token_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._cache_size = cache_size
+        # the chat template rendered around a system prompt: a jinja render per request otherwise
+        self._frames: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     @classmethod
     def load(cls, model_dir: Path) -> PromptBuilder:
@@ -88,6 +90,16 @@ class PromptBuilder:
 
     def _frame(self, system: str) -> tuple[str, str]:
         """Template text before the user content and after it (with the generation prompt)."""
+        frame = self._frames.get(system)
+        if frame is None:
+            frame = self._frames[system] = self._render_frame(system)
+            if len(self._frames) > 64:
+                self._frames.popitem(last=False)
+        else:
+            self._frames.move_to_end(system)
+        return frame
+
+    def _render_frame(self, system: str) -> tuple[str, str]:
         if not self.chat_template:
             return f"{system}\n\n", "\nAnswer:"
         content = _CHUNKS_MARK + _QUESTION_MARK
@@ -141,7 +153,7 @@ class PromptBuilder:
         segments = [Segment("prefix", self.encode(head))]
         for i, chunk in enumerate(prompt.chunks):
             check_text(f"chunks[{i}].text", chunk.text)
-            if normalize_text(chunk.text):
+            if not chunk.text.isspace() and chunk.text:  # blank after normalizing: nothing to send
                 segments.append(self.chunk_segment(chunk))
         question = QUESTION_TEMPLATE.format(question=prompt.question.strip()) if prompt.chunks else prompt.question
         segments.append(Segment("question", self.encode(question + tail)))

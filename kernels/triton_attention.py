@@ -9,6 +9,11 @@ load, which is where a causal-by-position mask saves half the work over a dense 
 Optionally the same pass accumulates per-segment attention mass (Cache-Craft's inter/intra
 attention): unnormalised probabilities are summed per key segment with a one-hot matmul and
 rescaled with the output accumulator, then divided by the final normaliser.
+
+When queries are few (a `reuse` request's question rows, a decode-sized step) query blocks x
+heads leave most of a GPU idle, so the keys are split across programs as well (flash-decoding):
+each split keeps its own running max, normaliser and unnormalised output, and a second small
+kernel merges the splits. Mass accumulation never splits.
 """
 
 from __future__ import annotations
@@ -34,8 +39,11 @@ def _selective_attention_kernel(
     KPOS,
     SEG,
     MASS,
+    PART_ACC,
+    PART_ML,
     num_queries,
     num_keys,
+    keys_per_split,
     qk_scale,
     window,
     stride_qt,
@@ -48,6 +56,10 @@ def _selective_attention_kernel(
     stride_oh,
     stride_mt,
     stride_mh,
+    stride_ps,
+    stride_pt,
+    stride_ms,
+    stride_mtq,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -56,12 +68,16 @@ def _selective_attention_kernel(
     BLOCK_S: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     WITH_MASS: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
+    split = tl.program_id(2)
     kv_head = head // GROUP
+    key_lo = split * keys_per_split
+    key_hi = tl.minimum(key_lo + keys_per_split, num_keys)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -83,9 +99,9 @@ def _selective_attention_kernel(
     seg_acc = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
     seg_cols = tl.arange(0, BLOCK_S)
 
-    for start in range(0, num_keys, BLOCK_N):
+    for start in range(key_lo, key_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < num_keys
+        n_ok = offs_n < key_hi
         kpos = tl.load(KPOS + offs_n, mask=n_ok, other=0)
         k_lo = tl.min(tl.where(n_ok, kpos, _FAR), axis=0)
         useful = k_lo <= q_hi
@@ -125,6 +141,14 @@ def _selective_attention_kernel(
                 seg_acc = seg_acc * alpha[:, None] + tl.dot(p, one_hot, input_precision="ieee")
             m_i = m_new
 
+    if SPLIT:
+        # this split's running max, normaliser and unnormalised output: the merge kernel's input
+        part = split.to(tl.int64) * stride_ps + offs_m.to(tl.int64)[:, None] * stride_pt + head * HEAD_DIM
+        tl.store(PART_ACC + part + offs_d[None, :], acc, mask=m_ok[:, None] & d_ok[None, :])
+        ml = split.to(tl.int64) * stride_ms + offs_m.to(tl.int64) * stride_mtq + head * 2
+        tl.store(PART_ML + ml, m_i, mask=m_ok)
+        tl.store(PART_ML + ml + 1, l_i, mask=m_ok)
+        return
     # Rows that saw no key at all get zeros (the torch reference gives NaN there).
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -133,6 +157,67 @@ def _selective_attention_kernel(
     if WITH_MASS:
         mass_ptrs = MASS + offs_m.to(tl.int64)[:, None] * stride_mt + head * stride_mh + seg_cols[None, :]
         tl.store(mass_ptrs, seg_acc / l_safe[:, None], mask=m_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    PART_ACC,
+    PART_ML,
+    OUT,
+    num_splits,
+    stride_ps,
+    stride_pt,
+    stride_ms,
+    stride_mtq,
+    stride_ot,
+    stride_oh,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+):
+    """One (query, head): the splits' partial softmaxes rescaled to their common max and summed."""
+    query = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    ml = offs_s.to(tl.int64) * stride_ms + query * stride_mtq + head * 2
+    m = tl.load(PART_ML + ml, mask=s_ok, other=float("-inf"))
+    l_split = tl.load(PART_ML + ml + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    # every split saw no key: weights of 0 (not exp2(-inf - -inf) = NaN), output zeros
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.exp2(m - m_safe)
+    total = tl.sum(l_split * weight, axis=0)
+    part = offs_s.to(tl.int64)[:, None] * stride_ps + query * stride_pt + head * HEAD_DIM + offs_d[None, :]
+    acc = tl.load(PART_ACC + part, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(OUT + query * stride_ot + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
+
+
+# Split the keys until the launch has about this many programs per multiprocessor, never into
+# splits of fewer than MIN_SPLIT_BLOCKS key blocks (each split costs a partial row and a merge),
+# and into at most MAX_SPLITS.
+PROGRAMS_PER_MULTIPROCESSOR = 2
+MIN_SPLIT_BLOCKS = 4
+MAX_SPLITS = 64
+# The interpreter has no multiprocessors; pretending to a few makes small test launches split.
+INTERPRETER_MULTIPROCESSORS = 4
+
+
+def multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_MULTIPROCESSORS
+
+
+def key_splits(programs: int, num_keys: int, block_n: int, multiprocessors: int) -> int:
+    """How many ways to split the keys of a launch with `programs` (query blocks x heads)."""
+    wanted = triton.cdiv(PROGRAMS_PER_MULTIPROCESSOR * multiprocessors, max(programs, 1))
+    most = max(1, num_keys // (MIN_SPLIT_BLOCKS * block_n))
+    return max(1, min(wanted, most, MAX_SPLITS))
 
 
 def _default_blocks(head_dim: int) -> tuple[int, int]:
@@ -154,11 +239,14 @@ def selective_attention(
     num_segments: int = 0,
     block_m: int | None = None,
     block_n: int | None = None,
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [Tq, H, D], k/v [Tk, Hkv, D] -> (out [Tq, H, D], mass [Tq, num_segments] fp32 or None).
 
     Mass is returned when `segment_ids` ([Tk] ints; ids outside [0, num_segments) belong to no
     segment) is given. Inputs may be fp32, fp16 or bf16; scores, softmax and accumulation are fp32.
+    `splits` divides the keys among that many programs per query block and head (None: chosen
+    from the launch's size and the device's multiprocessors; mass is never split).
     """
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError("expected q [Tq, H, D] and k, v [Tk, Hkv, D]")
@@ -189,7 +277,20 @@ def selective_attention(
     default_m, default_n = _default_blocks(head_dim)
     block_m, block_n = block_m or default_m, block_n or default_n
     scale = head_dim**-0.5 if scale is None else scale
-    grid = (triton.cdiv(num_queries, block_m), heads)
+    query_blocks = triton.cdiv(num_queries, block_m)
+    if with_mass:
+        splits = 1
+    elif splits is None:
+        splits = key_splits(query_blocks * heads, num_keys, block_n, multiprocessors(q.device))
+    # whole key blocks per split, and no split left empty
+    keys_per_split = triton.cdiv(triton.cdiv(max(num_keys, 1), max(splits, 1)), block_n) * block_n
+    splits = max(1, triton.cdiv(num_keys, keys_per_split))
+    if splits > 1:
+        part_acc = torch.empty(splits, num_queries, heads, head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(splits, num_queries, heads, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
+    grid = (query_blocks, heads, splits)
     _selective_attention_kernel[grid](
         q,
         k,
@@ -199,8 +300,11 @@ def selective_attention(
         key_pos.to(device=q.device, dtype=torch.int64).contiguous(),
         seg,
         mass_heads,
+        part_acc,
+        part_ml,
         num_queries,
         num_keys,
+        keys_per_split,
         scale * LOG2E,
         int(sliding_window or 0),
         q.stride(0),
@@ -213,6 +317,10 @@ def selective_attention(
         out.stride(1),
         mass_heads.stride(0),
         mass_heads.stride(1),
+        part_acc.stride(0),
+        part_acc.stride(1),
+        part_ml.stride(0),
+        part_ml.stride(1),
         GROUP=heads // kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -221,9 +329,27 @@ def selective_attention(
         BLOCK_S=block_s,
         HAS_WINDOW=sliding_window is not None,
         WITH_MASS=with_mass,
+        SPLIT=splits > 1,
         DOT_FP32=dot_in_fp32(q.dtype),
         # fp32 inputs would otherwise run tf32 dots on GPU (10-bit mantissa) and miss the reference.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
+    if splits > 1:
+        _merge_splits_kernel[(num_queries, heads)](
+            part_acc,
+            part_ml,
+            out,
+            splits,
+            part_acc.stride(0),
+            part_acc.stride(1),
+            part_ml.stride(0),
+            part_ml.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEADS=heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)),
+        )
     mass = mass_heads[:, :, :num_segments].mean(1) if with_mass else None
     return out, mass

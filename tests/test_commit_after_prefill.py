@@ -4,6 +4,8 @@ them (so the check can fail)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from engine_sidecar import Engine
@@ -54,3 +56,30 @@ def test_a_failed_prefill_changes_no_reuse_state(engine):
     engine.generate(failing, {"max_tokens": 2}, policy="prefix")
     after = _state(engine)
     assert after[2] == before[2] + 3 and after[4] == before[4] + 1 and after[0] > before[0]
+
+
+def test_the_first_token_is_out_before_the_commit(engine):
+    """Keeping what a prefill computed is off the time to first token: the caller holds the first
+    token while the commit runs (a commit before it would wait here until its deadline)."""
+    first_token_seen = threading.Event()
+    seen_at_commit: list[bool] = []
+    commit = engine.writer.commit
+
+    def commit_after_the_caller_has_its_token(planned, result, tenant):
+        seen_at_commit.append(first_token_seen.wait(timeout=20))
+        commit(planned, result, tenant)
+
+    engine.writer.commit = commit_after_the_caller_has_its_token
+    stream = engine.stream(ChunkedPrompt(chunks=PASSAGES, question="Which river is longest?"),
+                           {"max_tokens": 3, "temperature": 0, "ignore_eos": True}, policy="cacheblend")
+    ticks = stream.ticks()
+    next(ticks)
+    first_token_seen.set()
+    for _ in ticks:
+        pass
+    assert seen_at_commit == [True]
+    assert stream.result is not None and stream.result.stats.stage_times["commit_s"] >= 0
+    # and what it computed was kept: the misses now hit
+    again = engine.generate(ChunkedPrompt(chunks=PASSAGES, question="Which river is longest?"),
+                            {"max_tokens": 1}, policy="cacheblend")
+    assert again.stats.chunk_hits == len(PASSAGES)

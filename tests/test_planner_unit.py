@@ -92,3 +92,16 @@ def test_full_policy_plans_without_reading_the_store(state):
     state.store.put(state.keys.for_tokens(b.token_ids, "", IN_CONTEXT), state.entry(b.token_ids))
     planned = _plan(state, "full")
     assert all(s.mode == "fresh" for s in planned.plan.spans) and planned.in_place == []
+
+
+def test_token_digests_name_stored_kv_as_they_always_did():
+    """A store written before stays readable: a token sequence's digest is blake2b-128 of its ids
+    as int64 in machine order, whatever container the ids come in, however often it is asked."""
+    import hashlib
+
+    from engine_sidecar.fingerprint import token_ids_digest
+
+    ids = [1, 255, 256, 49151, 2**31 - 1, 0]
+    expected = hashlib.blake2b(torch.tensor(ids, dtype=torch.int64).numpy().tobytes(), digest_size=16).hexdigest()
+    assert token_ids_digest(ids) == token_ids_digest(tuple(ids)) == token_ids_digest(ids) == expected
+    assert token_ids_digest(ids[:-1]) != expected and token_ids_digest([]) != expected

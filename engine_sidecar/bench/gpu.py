@@ -24,6 +24,7 @@ Needs torch and transformers (reference only); runs without fastapi or rich.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -247,9 +248,10 @@ def kernels_section(device: torch.device, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"max_abs_diff": {}}
     gen = torch.Generator().manual_seed(1)
     for dtype in (torch.bfloat16, torch.float32):
-        for heads, kv_heads, dim, keys, ratio in ((32, 8, 128, 6231, 0.15), (32, 8, 64, 6231, 0.15),
-                                                  (32, 32, 128, 513, 1.0)):
-            queries = max(1, int(keys * ratio))
+        # 15% of a 6.2K-token prompt recomputed; a reuse request's question rows (few queries
+        # over every key: the keys are split across programs); a short dense prompt
+        for heads, kv_heads, dim, keys, queries in ((32, 8, 128, 6231, 934), (32, 8, 64, 6231, 934),
+                                                    (32, 8, 128, 6231, 38), (32, 32, 128, 513, 513)):
             pos = torch.arange(keys, device=device)
             picked = torch.randperm(keys, generator=gen)[:queries].sort().values.to(device)
             q, k, v = (torch.randn(n, h, dim, generator=gen).to(device, dtype)
@@ -262,11 +264,34 @@ def kernels_section(device: torch.device, quick: bool) -> dict[str, Any]:
             a = dispatch.rotate_keys(k, pos, inv, backend="torch")
             b = dispatch.rotate_keys(k, pos, inv, backend="triton")
             out["max_abs_diff"][f"rope {name}"] = float((a.float() - b.float()).abs().max())
+    out["few_queries_split_keys"] = few_queries_split(device, quick)
     args = argparse.Namespace(model="llama8b", tokens=512 if quick else 8192, ratio=0.15, chunks=8, dtype="bfloat16",
                               device=device.type, warmup=3, repeats=20, out=None)
     out["timings"] = [{k: r[k] for k in ("op", "impl", "shape", "ms", "speedup_vs_reference")}
                       for r in kernel_bench.run(args)["results"]]
     return out
+
+
+def few_queries_split(device: torch.device, quick: bool) -> list[dict[str, Any]]:
+    """The Triton selective attention with the keys in one program per query block and head
+    against split across programs (its default when queries are few), 8B shape, bf16."""
+    from ragcache_kernels import triton_attention
+
+    gen = torch.Generator().manual_seed(2)
+    rows: list[dict[str, Any]] = []
+    for keys, queries in ((6231, 38), (6231, 1), (1024 if quick else 16384, 38)):
+        pos = torch.arange(keys, device=device)
+        picked = pos[-queries:]  # the question at the end of the prompt
+        q = torch.randn(queries, 32, 128, generator=gen).to(device, torch.bfloat16)
+        k, v = (torch.randn(keys, 8, 128, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+        times = {}
+        for label, splits in (("one split", 1), ("split keys", None)):
+            call = functools.partial(triton_attention.selective_attention, q, k, v, picked, pos, splits=splits)
+            times[label] = timed(device, call, 5 if quick else 50) * 1e3
+        rows.append({"keys": keys, "queries": queries, "one_split_ms": round(times["one split"], 4),
+                     "split_keys_ms": round(times["split keys"], 4),
+                     "speedup": round(times["one split"] / times["split keys"], 2)})
+    return rows
 
 
 def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
@@ -457,6 +482,13 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{guards['cacheblend1_vs_full_max_abs']:.4g}"
                   + (f", Triton vs torch engine {guards['triton_vs_torch_engine_max_abs']:.4g}"
                      if "triton_vs_torch_engine_max_abs" in guards else "") + f"; tolerance {guards['tolerance']})", ""]
+    split = report.get("kernels", {}).get("few_queries_split_keys")
+    if split:
+        lines += ["Selective attention, few queries (8B heads, bf16; ms):", "",
+                  "| keys | queries | one split per query block | keys split | speed-up |", "|---|---|---|---|---|"]
+        lines += [f"| {r['keys']} | {r['queries']} | {r['one_split_ms']} | {r['split_keys_ms']} | {r['speedup']}× |"
+                  for r in split]
+        lines.append("")
     for key, value in report.items():
         if key.startswith("ttft_") and "policies" in value:
             lines += [f"TTFT, {key[5:]} shape, {value['tokens']} tokens (ms; speed-up vs full):", "",

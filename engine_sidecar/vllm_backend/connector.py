@@ -75,7 +75,7 @@ def check_vllm_version(version: str = vllm.__version__) -> None:
 
 
 def residency_key(tenant: str, chunk_token_ids: tuple[int, ...] | list[int]) -> str:
-    return f"{tenant}\x00{token_ids_digest(list(chunk_token_ids))}"
+    return f"{tenant}\x00{token_ids_digest(chunk_token_ids)}"
 
 
 @dataclass

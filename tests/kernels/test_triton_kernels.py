@@ -125,6 +125,46 @@ def test_attention_query_that_sees_nothing_gets_zeros() -> None:
     torch.testing.assert_close(got[1:].double(), expected, atol=1e-5, rtol=1e-4)
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize(("shuffled", "window"), [(False, None), (True, None), (False, 11)])
+def test_attention_with_keys_split_matches_reference(dtype: torch.dtype, gqa: int, splits: int, shuffled: bool,
+                                                     window: int | None) -> None:
+    """Keys divided among programs and merged: the same attention (some splits hold keys a query
+    may not see, some hold none it may)."""
+    q, k, v, qpos, kpos = scattered_case(9, 101, gqa * 2, 2, 64, dtype, seed=splits + gqa, shuffled_keys=shuffled)
+    got, _ = triton_attention.selective_attention(q, k, v, qpos, kpos, sliding_window=window, splits=splits)
+    _close(got, ref_attention.selective_attention(q, k, v, qpos, kpos, sliding_window=window), dtype)
+
+
+def test_split_keys_query_that_sees_nothing_gets_zeros() -> None:
+    q, k, v, _, _ = scattered_case(3, 70, 2, 1, 64, torch.float32, seed=5, gapped_keys=False)
+    key_pos = torch.arange(70) + 10
+    query_pos = torch.tensor([5, 12, 79])
+    got, _ = triton_attention.selective_attention(q, k, v, query_pos, key_pos, splits=4)
+    assert got[0].eq(0).all()
+    expected, _ = dense_attention(q[1:], k, v, query_pos[1:], key_pos)
+    torch.testing.assert_close(got[1:].double(), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_few_queries_over_many_keys_split_by_default() -> None:
+    """A launch too small to fill the device splits its keys on its own (here: 1 query block x 2
+    heads over 200 keys, against the interpreter's pretend multiprocessors), and mass never does."""
+    q, k, v, qpos, kpos = scattered_case(3, 200, 2, 2, 64, torch.float32, seed=8)
+    block_m, block_n = triton_attention._default_blocks(64)
+    assert triton_attention.key_splits(2, 200, block_n, triton_attention.multiprocessors(q.device)) > 1
+    assert triton_attention.key_splits(264, 200, block_n, 132) == 1  # enough programs already
+    assert triton_attention.key_splits(2, 40, block_n, 132) == 1  # too few keys to be worth it
+    got, _ = triton_attention.selective_attention(q, k, v, qpos, kpos)
+    _close(got, ref_attention.selective_attention(q, k, v, qpos, kpos), torch.float32)
+    seg = ref_attention.segment_ids_from_boundaries(torch.tensor([0, 100]), 200)
+    out, mass = triton_attention.selective_attention(q, k, v, qpos, kpos, segment_ids=seg, num_segments=2)
+    ref_out, ref_mass = ref_attention.selective_attention_with_mass(q, k, v, qpos, kpos, seg, 2)
+    _close(out, ref_out, torch.float32)
+    torch.testing.assert_close(mass, ref_mass, atol=MASS_TOL[0], rtol=MASS_TOL[1])
+
 # ---- RoPE re-rotation ----------------------------------------------------------------------
 
 
