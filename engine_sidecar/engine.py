@@ -239,10 +239,12 @@ class Engine:
         replan = (lambda: self.planning.plan(prompt, policy, tenant, lazy=False)) if prompt is not None else None
         planned, result = self.prefill_stage.run(planned, policy, capacity, times, replan)
         # NaN or infinity anywhere in the KV reaches the last token's logits (every query attends
-        # to every earlier key), so finite logits clear the whole prefill for commit
-        if result.logits is not None and not bool(torch.isfinite(result.logits.max())):
-            raise NonFiniteLogitsError(NON_FINITE_MESSAGE)
+        # to every earlier key), so finite logits clear the whole prefill for commit. A caller
+        # that commits later samples the first token first, and that choice reads the same check
+        # in its one host sync (sampling.choose_token raises before any commit).
         if commit:
+            if result.logits is not None and not bool(torch.isfinite(result.logits.max())):
+                raise NonFiniteLogitsError(NON_FINITE_MESSAGE)
             self.writer.commit(planned, result, tenant)
         return planned, result
 

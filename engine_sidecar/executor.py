@@ -127,8 +127,11 @@ def fused_prefill(
     # tokens active from layer 0 that stay active never read their cached rows: skip them
     skip = active_mask if policy.keeps_initial_active else None
     prefetcher = LayerPrefetcher(plan, kv.keys_pre, kv.values, prefetch_depth, skip).start()
-    active = active_mask.nonzero().squeeze(1).to(device)
-    must_keep = (~has_cache)[active.cpu()].to(device)
+    # chosen on the host (the masks live there): reading device indices back would wait for the
+    # cached keys' rotation queued above
+    active_host = active_mask.nonzero().squeeze(1)
+    must_keep = (~has_cache)[active_host].to(device)
+    active = active_host.to(device)
     hidden = runner.embed(ids[active])
     token_layers = probe_token_layers
     # per active set (it changes only where a policy shrinks it): its positions and RoPE tables
@@ -177,10 +180,11 @@ def fused_prefill(
     kv.length = n
     logits = None
     if need_logits:
-        if int(active[-1]) != n - 1:
-            raise AssertionError("the last prompt token must stay active to produce logits")
         logits = runner.logits(hidden[-1:])[0]
-    recomputed = int(fused[active.cpu()].sum())
+    active_host = active.cpu()  # the one read-back of the prefill, after every layer is queued
+    if need_logits and (active_host.numel() == 0 or int(active_host[-1]) != n - 1):
+        raise AssertionError("the last prompt token must stay active to produce logits")
+    recomputed = int(fused[active_host].sum())
     prefetched = prefetcher.finish()
     return PrefillResult(logits, kv, token_layers, recomputed, int(fused.sum()), load_s, loaded,
                          prefetcher.times if prefetcher else None, prefetched)
@@ -199,9 +203,11 @@ def temper_stale_rows(keys: torch.Tensor, fused: torch.Tensor, active: torch.Ten
     are rotated as they arrive."""
     if scale is None:
         return
-    stale = fused.to(keys.device).clone()
-    stale[active] = False
-    keys[stale] *= scale
+    # a per-row factor (1 where nothing is scaled, which is exact) rather than boolean indexing,
+    # whose size the host would have to read back on every layer
+    factor = torch.where(fused, scale, 1.0).to(device=keys.device)  # fp32: the scalar product, rounded once
+    factor[active] = 1.0
+    keys.mul_(factor[:, None, None])
 
 
 def decode_step(runner: ModelRunner, kv: KVBuffer, token_id: int) -> torch.Tensor:

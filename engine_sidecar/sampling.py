@@ -33,6 +33,8 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if generator is not None and generator.device != probs.device:
+        probs = probs.cpu()  # a seeded request's generator is a CPU one: the same draw on every device
     try:
         return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
     except RuntimeError:  # finite logits so large that dividing by the temperature overflowed

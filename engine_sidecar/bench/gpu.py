@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,18 @@ def kernels_section(device: torch.device, quick: bool) -> dict[str, Any]:
     return out
 
 
+def host_syncs(fn: Callable[[], Any]) -> int:
+    """How many times `fn` made the host wait for the GPU (CUDA's sync debug mode warns on each)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def few_queries_split(device: torch.device, quick: bool) -> list[dict[str, Any]]:
     """The Triton selective attention with the keys in one program per query block and head
     against split across programs (its default when queries are few), 8B shape, bf16."""
@@ -364,6 +377,8 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
             tokens = stats.prefill_tokens_total
             rows[policy] = {"ttft_ms": round(seconds * 1e3, 2), "computed_fraction": round(stats.computed_fraction, 3),
                             "chunk_hits": stats.chunk_hits}
+            if device.type == "cuda":
+                rows[policy]["host_syncs"] = host_syncs(lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))
     finally:
         engine.close()
         if device.type == "cuda":
@@ -497,6 +512,9 @@ def markdown(report: dict[str, Any]) -> str:
                       "| " + " | ".join(f"{r['ttft_ms']} ({r['speedup_vs_full']}×)" for r in value["policies"].values())
                       + f" | {value['transformers_full_ms']} | {value['floor_weights_read_ms']} | "
                         f"{value['floor_full_prefill_ms']} |", ""]
+            if any("host_syncs" in r for r in value["policies"].values()):
+                lines += ["Host syncs per request: " + ", ".join(f"{name} {r.get('host_syncs')}"
+                                                                 for name, r in value["policies"].items()), ""]
         elif key.startswith("decode_") and "tokens_each" in value:
             lines += [f"Decode, {key[7:]} shape, {value['tokens_each']} tokens each:", "",
                       "| concurrent | tokens/s | floor tokens/s | TTFT p50 s |", "|---|---|---|---|"]
