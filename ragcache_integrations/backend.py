@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -222,7 +222,7 @@ class HttpBackend:
     a rough estimate (4 characters per token)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0, retries: int = 3,
-                 tokenizer: Any = None, context_window: int | None = None):
+                 tokenizer: Any = None, context_window: int | None = None, headers: Mapping[str, str] | None = None):
         try:
             from ragcache_integrations import client
         except ImportError as exc:  # the module, or httpx it needs
@@ -232,7 +232,8 @@ class HttpBackend:
             ) from exc
         self._client_module = client
         self.base_url = base_url
-        self._options: dict[str, Any] = {"api_key": api_key, "timeout": timeout, "retries": retries}
+        self._options: dict[str, Any] = {"api_key": api_key, "timeout": timeout, "retries": retries,
+                                         "headers": dict(headers or {})}
         self._tokenizer = tokenizer
         self._context_window = context_window
         self._model_name: str | None = None
@@ -348,9 +349,28 @@ def make_backend(engine: Any = None, base_url: str | None = None, api_key: str |
         raise ValueError(f"give exactly one of engine= (an in-process Engine) or base_url= (a sidecar URL, also "
                          f"read from ${BASE_URL_ENV})")
     if engine is not None:
+        if http_options.get("headers"):
+            raise ValueError("default_headers go with requests to a sidecar (base_url=); an in-process engine= "
+                             "sends none")
         return EngineBackend(engine)
     assert base_url is not None
     return HttpBackend(base_url, api_key=api_key, **http_options)
+
+
+SAMPLING_OPTIONS = tuple(SamplingParams.model_fields)
+
+
+def check_sampling_options(options: Mapping[str, Any] | None, setting: str) -> dict[str, Any]:
+    """An adapter's extra sampling options (OpenAI clients' `additional_kwargs` / `model_kwargs`),
+    checked when the adapter is built: an option the engine does not know is an error naming the
+    ones it does, never dropped."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(SAMPLING_OPTIONS))
+    if unknown:
+        raise ValueError(f"{setting} has {', '.join(map(repr, unknown))}, which ragcache does not know; "
+                         f"it takes {', '.join(SAMPLING_OPTIONS)}")
+    SamplingParams(**options)  # values out of range fail here too
+    return options
 
 
 class LastCallMixin:

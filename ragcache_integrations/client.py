@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -213,8 +213,12 @@ def _stream_chat_body(messages: list[dict[str, Any]], chunks: list[Chunk | dict 
     return _chat_body(messages, chunks, {**options, "stream": True, "stream_options": {"include_usage": True}})
 
 
-def _headers(api_key: str | None, tenant: str | None) -> dict[str, str]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def _headers(api_key: str | None, tenant: str | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Every request's headers: the caller's own (a gateway's, a trace id), then the key and the
+    tenant, which no extra header may replace."""
+    headers = dict(extra or {})
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     if tenant:
         headers[TENANT_HEADER] = tenant
     return headers
@@ -222,11 +226,14 @@ def _headers(api_key: str | None, tenant: str | None) -> dict[str, str]:
 
 # --- sync --------------------------------------------------------------------------------------
 class RagCacheClient:
-    """`tenant` (optional) is sent as the X-RagCache-Tenant header on every request."""
+    """`tenant` (optional) is sent as the X-RagCache-Tenant header on every request; `headers`
+    (optional) go with every request too (the key and the tenant take precedence)."""
 
     def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 600.0,
-                 retries: int = 3, backoff_s: float = 0.5, tenant: str | None = None):
-        self._http = httpx.Client(base_url=server_root(base_url), timeout=timeout, headers=_headers(api_key, tenant))
+                 retries: int = 3, backoff_s: float = 0.5, tenant: str | None = None,
+                 headers: Mapping[str, str] | None = None):
+        self._http = httpx.Client(base_url=server_root(base_url), timeout=timeout,
+                                  headers=_headers(api_key, tenant, headers))
         self.retries, self.backoff_s, self.tenant = retries, backoff_s, tenant
         self.last_result: GenerateResponse | None = None
 
@@ -350,9 +357,10 @@ class AsyncRagCacheClient:
     """The same surface as RagCacheClient, awaitable; `stream` is an async iterator."""
 
     def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 600.0,
-                 retries: int = 3, backoff_s: float = 0.5, tenant: str | None = None):
+                 retries: int = 3, backoff_s: float = 0.5, tenant: str | None = None,
+                 headers: Mapping[str, str] | None = None):
         self._http = httpx.AsyncClient(base_url=server_root(base_url), timeout=timeout,
-                                       headers=_headers(api_key, tenant))
+                                       headers=_headers(api_key, tenant, headers))
         self.retries, self.backoff_s, self.tenant = retries, backoff_s, tenant
         self.last_result: GenerateResponse | None = None
 

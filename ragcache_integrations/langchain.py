@@ -31,7 +31,12 @@ from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_do
 from langchain_core.runnables import Runnable, RunnableConfig, ensure_config  # noqa: E402
 from langchain_core.runnables.config import run_in_executor  # noqa: E402
 
-from ragcache_integrations.backend import make_backend, sidecar_address, stats_dict  # noqa: E402
+from ragcache_integrations.backend import (  # noqa: E402
+    check_sampling_options,
+    make_backend,
+    sidecar_address,
+    stats_dict,
+)
 from ragcache_integrations.langchain_chat import ChunkCachedChatModel, to_chat_dicts  # noqa: E402
 from ragcache_integrations.langchain_observer import document_id  # noqa: E402
 from ragcache_integrations.langchain_retriever import ChunkOrderTransformer, ChunkTaggingRetriever  # noqa: E402
@@ -53,21 +58,23 @@ class ChunkCachedRunnable(Runnable[dict, str]):
                  system: str | None = None, policy: str = DEFAULT_POLICY, order: str = "preserve", tenant: str = "",
                  conversation_id: str | None = None, max_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, stop: list[str] | str | None = None, seed: int | None = None,
-                 timeout: float = 600.0, max_retries: int = 3, id_key: str = "id"):
+                 timeout: float = 600.0, max_retries: int = 3, id_key: str = "id",
+                 default_headers: dict[str, str] | None = None, additional_kwargs: dict[str, Any] | None = None):
         if prompt is not None and conversation_id is not None:
             raise ValueError("conversation_id works with the engine's own layout: leave out prompt= to use it "
                              "(with prompt=, put the history in your template)")
         check_policy(policy)  # a typo fails here, naming the valid forms, not at the first request
         url, key = sidecar_address(engine, base_url, api_base, api_key)
+        extra = check_sampling_options(additional_kwargs, "additional_kwargs")
         http = {"timeout": timeout, "retries": max_retries} if url is not None else {}
-        self.backend = make_backend(engine, url, key, **http)
+        self.backend = make_backend(engine, url, key, headers=default_headers, **http)
         self.prompt = prompt
         self.document_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
         self.document_separator, self.document_variable_name = document_separator, document_variable_name
         self.system, self.policy, self.order, self.tenant = system, policy, order, tenant
         self.conversation_id, self.id_key = conversation_id, id_key
-        self.sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop or [],
-                                       seed=seed)
+        self.sampling = SamplingParams(**{"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                                          "stop": stop or [], "seed": seed, **extra})
         self.last_stats: dict[str, Any] = {}
 
     # --- the prompt -----------------------------------------------------------------------------

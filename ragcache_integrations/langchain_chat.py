@@ -27,10 +27,12 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from ragcache_integrations import langchain_observer
 from ragcache_integrations.api_models import Order
 from ragcache_integrations.backend import (
+    SAMPLING_OPTIONS,
     AsyncDeltaStream,
     Backend,
     DeltaStream,
     LastCallMixin,
+    check_sampling_options,
     make_backend,
     sidecar_address,
     stats_dict,
@@ -96,6 +98,10 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
     seed: int | None = None
     timeout: float | None = Field(default=600.0, description="Seconds per sidecar request")
     max_retries: int = Field(default=3, ge=0, description="Sidecar retries on connection errors and 429/503")
+    default_headers: dict[str, str] | None = Field(default=None, description="Headers sent with every sidecar "
+                                                   "request (a gateway's, a trace id)")
+    model_kwargs: dict[str, Any] = Field(default_factory=dict, description="More sampling options for every call "
+                                         "(e.g. stop_token_ids, ignore_eos); they override the fields")
     streaming: bool = Field(default=False, description="Stream through invoke too (LangChain's switch: callbacks see "
                             "each token)")
     recover_chunks: bool = Field(default=True, description="Look for retrieved documents in the messages")
@@ -104,6 +110,8 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
 
     # a typo fails at construction, naming the valid forms, not at the first request
     _policy = field_validator("policy")(classmethod(lambda cls, v: check_policy(v)))
+    _extra_sampling = field_validator("model_kwargs")(
+        classmethod(lambda cls, v: check_sampling_options(v, "model_kwargs")))
 
     _backend: Backend = PrivateAttr()
     _last_stats: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -113,8 +121,9 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
                  api_key: str | None = None, tokenizer: Any = None, **fields: Any):
         super().__init__(**fields)
         url, key = sidecar_address(engine, base_url, api_base, api_key)
-        http = {"timeout": self.timeout or 600.0, "retries": self.max_retries, "tokenizer": tokenizer}
-        self._backend = make_backend(engine, url, key, **(http if url is not None else {}))
+        http = {"timeout": self.timeout or 600.0, "retries": self.max_retries, "tokenizer": tokenizer,
+                "headers": self.default_headers}
+        self._backend = make_backend(engine, url, key, **(http if url is not None else {"headers": self.default_headers}))
         langchain_observer.install()
 
     @property
@@ -153,8 +162,8 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
     def _sampling(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
         params: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature,
                                   "top_p": self.top_p, "stop": stop if stop is not None else (self.stop or []),
-                                  "seed": self.seed}
-        params.update({k: v for k, v in kwargs.items() if k in params and v is not None})
+                                  "seed": self.seed, **self.model_kwargs}
+        params.update({k: v for k, v in kwargs.items() if k in SAMPLING_OPTIONS and v is not None})
         return SamplingParams(**params)
 
     def plan(self, messages: list[dict[str, str]]) -> Recovery:

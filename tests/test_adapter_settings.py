@@ -10,7 +10,7 @@ import socket
 import pytest
 from pydantic import ValidationError
 
-from ragcache_integrations.client import APIConnectionError, APITimeoutError
+from ragcache_integrations.client import APIConnectionError, APITimeoutError, AuthenticationError
 from ragcache_integrations.langchain import ChunkCachedChatModel, ChunkCachedRunnable
 from ragcache_integrations.llama_index import ChunkCachedLLM
 from tests.test_server_process import ServerProcess
@@ -96,3 +96,41 @@ def test_a_refused_connection_names_the_address(tiny_llama_dir):
 def test_tool_binding_says_why_it_is_not_supported():
     with pytest.raises(NotImplementedError, match="tool calling"):
         ChunkCachedChatModel(base_url="http://127.0.0.1:1").bind_tools([])
+
+
+@pytest.fixture(scope="module")
+def keyed_sidecar(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapter-headers")
+    with ServerProcess(tiny_llama_dir, root / "kv", root / "serve.log", "--api-key", "gateway-key") as proc:
+        yield proc
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_default_headers_go_with_every_request(keyed_sidecar, monkeypatch, name):
+    """A gateway's header reaches the sidecar: here its Authorization opens a keyed sidecar, which
+    the same adapter without the header cannot use."""
+    monkeypatch.delenv("RAGCACHE_API_KEY", raising=False)
+    with pytest.raises(AuthenticationError):
+        _ask(name, ADAPTERS[name](base_url=keyed_sidecar.base, max_retries=0))
+    headers = {"Authorization": "Bearer gateway-key", "X-Trace-Id": "t-1"}
+    assert isinstance(_ask(name, ADAPTERS[name](base_url=keyed_sidecar.base, default_headers=headers)), str)
+
+
+EXTRA_SAMPLING = {"llama_index": "additional_kwargs", "langchain_chat": "model_kwargs",
+                  "langchain_runnable": "additional_kwargs"}
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_extra_sampling_options_are_used_and_override_the_fields(sidecar, name):
+    # max_tokens=4 from the field, 7 from the extra options; ignore_eos makes the count exact
+    adapter = ADAPTERS[name](base_url=sidecar.base, **{EXTRA_SAMPLING[name]: {"max_tokens": 7, "ignore_eos": True}})
+    _ask(name, adapter)
+    assert adapter.last_stats["decode_tokens"] == 7
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_an_extra_option_the_engine_does_not_know_is_refused_by_name(name):
+    with pytest.raises(ValueError, match="logit_bias.*ignore_eos"):
+        ADAPTERS[name](base_url="http://127.0.0.1:1", **{EXTRA_SAMPLING[name]: {"logit_bias": {}}})
+    with pytest.raises(ValueError, match="sidecar"):
+        ADAPTERS[name](engine=object(), default_headers={"X-Trace-Id": "t"})

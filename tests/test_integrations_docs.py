@@ -27,7 +27,9 @@ def _names(text: str) -> set[str]:
 
 
 COMMON = {"policy", "order", "tenant", "max_tokens", "temperature", "top_p", "stop", "seed", "conversation_id"}
-CLIENT = {"base_url", "api_base", "api_key", "timeout", "max_retries"}
+CLIENT = {"base_url", "api_base", "api_key", "timeout", "max_retries", "default_headers"}
+EXTRA_SAMPLING = {ChunkCachedLLM: "additional_kwargs", ChunkCachedChatModel: "model_kwargs",
+                  ChunkCachedRunnable: "additional_kwargs"}
 
 
 def _accepted(adapter: type) -> set[str]:
@@ -52,3 +54,12 @@ def test_every_adapter_takes_every_documented_option(adapter):
 @pytest.mark.parametrize("adapter", [ChunkCachedLLM, ChunkCachedChatModel], ids=lambda a: a.__name__)
 def test_model_is_a_label_on_the_pydantic_adapters(adapter):
     assert "model" in _accepted(adapter)
+
+
+@pytest.mark.parametrize("adapter", [ChunkCachedLLM, ChunkCachedChatModel, ChunkCachedRunnable],
+                         ids=lambda a: a.__name__)
+def test_each_adapter_takes_extra_sampling_options_under_the_documented_name(adapter):
+    name = EXTRA_SAMPLING[adapter]
+    paragraph = _paragraph("More sampling options for every call")
+    assert f"`{name}`" in paragraph and f"`{adapter.__name__}`" in paragraph
+    assert name in _accepted(adapter)

@@ -30,10 +30,12 @@ from llama_index.core.llms.llm import LLM
 
 from ragcache_integrations.api_models import Order
 from ragcache_integrations.backend import (
+    SAMPLING_OPTIONS,
     AsyncDeltaStream,
     Backend,
     DeltaStream,
     LastCallMixin,
+    check_sampling_options,
     make_backend,
     sidecar_address,
     stats_dict,
@@ -80,12 +82,18 @@ class ChunkCachedLLM(LastCallMixin, LLM):
                               "model, whose name is used when this is left out")
     timeout: float = Field(default=600.0, gt=0, description="Seconds per sidecar request")
     max_retries: int = Field(default=3, ge=0, description="Sidecar retries on 429/503 and connect timeouts")
+    default_headers: dict[str, str] | None = Field(default=None, description="Headers sent with every sidecar "
+                                                   "request (a gateway's, a trace id)")
+    additional_kwargs: dict[str, Any] = Field(default_factory=dict, description="More sampling options for every "
+                                              "call (e.g. stop_token_ids, ignore_eos); they override the fields")
 
     # an unknown setting (a typo, an OpenAI option this class lacks) is an error, never dropped
     model_config = ConfigDict(extra="forbid")
 
     # a typo fails at construction, naming the valid forms, not at the first request
     _policy = field_validator("policy")(classmethod(lambda cls, v: check_policy(v)))
+    _extra_sampling = field_validator("additional_kwargs")(
+        classmethod(lambda cls, v: check_sampling_options(v, "additional_kwargs")))
 
     _backend: Backend = PrivateAttr()
     _last_stats: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -97,8 +105,9 @@ class ChunkCachedLLM(LastCallMixin, LLM):
         `api_key` (else $RAGCACHE_API_KEY); or `engine=` for an in-process Engine."""
         super().__init__(**fields)
         url, key = sidecar_address(engine, base_url, api_base, api_key)
-        http = {"timeout": self.timeout, "retries": self.max_retries, "tokenizer": tokenizer}
-        self._backend = make_backend(engine, url, key, **(http if url is not None else {}))
+        http = {"timeout": self.timeout, "retries": self.max_retries, "tokenizer": tokenizer,
+                "headers": self.default_headers}
+        self._backend = make_backend(engine, url, key, **(http if url is not None else {"headers": self.default_headers}))
         observer.install()
 
     @classmethod
@@ -123,8 +132,8 @@ class ChunkCachedLLM(LastCallMixin, LLM):
 
     def sampling(self, **overrides: Any) -> SamplingParams:
         params = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                  "stop": self.stop, "seed": self.seed}
-        params.update({k: v for k, v in overrides.items() if k in params and v is not None})
+                  "stop": self.stop, "seed": self.seed, **self.additional_kwargs}
+        params.update({k: v for k, v in overrides.items() if k in SAMPLING_OPTIONS and v is not None})
         return SamplingParams(**params)
 
     # --- the decision: chunked or plain ----------------------------------------------------------
