@@ -28,6 +28,17 @@ def port_number(text: str) -> int:
     return value
 
 
+def whole_number(text: str) -> int:
+    """An int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -80,3 +80,36 @@ def test_earlier_turns_with_unquoted_chunks_are_refused_not_dropped(client):
     single = _chat(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How high?"}],
                    chunks=PASSAGES)
     assert single.status_code == 200, single.text
+
+
+BOOK = ["The Danube passes through ten countries on its way to the Black Sea.",
+        "Lake Baikal in Siberia holds about a fifth of the world's fresh surface water."]
+
+
+def test_a_plain_chat_reuses_passages_the_sidecar_remembers(client):
+    """An OpenAI app that quotes its passages and never sends `chunks`: passages warmed (or sent
+    as chunks) before are found in its messages. The first such chat computes them in place in
+    its own tokenization, later ones reuse them; for their tenant only, with the plain chat's
+    tokens exactly."""
+    messages = [{"role": "user", "content": "Context:\n" + "\n\n".join(BOOK) + "\n\nWhich lake holds more water?"}]
+    before = _chat(client, messages, policy="full").json()
+    assert before["ragcache"]["chunk_hits"] == 0 and before["ragcache"]["chunk_misses"] == 0  # nothing known yet
+    warmed = client.post("/v1/chunks/warm", json={"chunks": BOOK}, headers=AUTH)
+    assert warmed.status_code == 200, warmed.text
+    recognised = _chat(client, messages).json()
+    assert recognised["ragcache"]["chunk_misses"] == len(BOOK)
+    assert recognised["usage"]["prompt_tokens"] == before["usage"]["prompt_tokens"]
+    reused = _chat(client, messages).json()
+    assert reused["ragcache"]["chunk_hits"] == len(BOOK) and reused["ragcache"]["tokens_reused"] > 0
+    exact = _chat(client, messages, policy="full").json()
+    assert exact["choices"][0]["message"]["content"] == before["choices"][0]["message"]["content"]
+    other = {"X-RagCache-Tenant": "other", **AUTH}
+    elsewhere = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4}, headers=other).json()
+    assert elsewhere["ragcache"]["chunk_hits"] == 0 and elsewhere["ragcache"]["chunk_misses"] == 0
+    unquoted = _chat(client, [{"role": "user", "content": "Which lake holds more water?"}]).json()
+    assert unquoted["ragcache"]["chunk_hits"] == 0 and unquoted["ragcache"]["chunk_misses"] == 0
+
+
+def test_a_bad_policy_on_a_plain_chat_is_refused(client):
+    response = _chat(client, [{"role": "user", "content": "Hello"}], policy="cacheblend:7")
+    assert response.status_code == 422, response.text

@@ -49,6 +49,7 @@ def native_router(ctx: ServerContext) -> APIRouter:
         sampling = cap_max_tokens(body.sampling, "max_tokens" in body.sampling.model_fields_set, settings,
                                   "sampling.max_tokens")
         prompt = scope_prompt(body.prompt, tenant)
+        ctx.passages.remember(prompt.chunks, tenant)
 
         def make() -> Iterator[str | GenerationResult]:
             return backend.generate(prompt, sampling, body.policy, tenant, body.order)
@@ -67,6 +68,7 @@ def native_router(ctx: ServerContext) -> APIRouter:
         tenant = resolve_tenant(body.tenant, header_tenant)
         check_chunks(body.chunks, settings)
         chunks = scope_chunks(body.chunks, tenant)
+        ctx.passages.remember(chunks, tenant)
 
         make_pool = backend.neighbour_pool(chunks, body.neighbours)  # an unsupported engine says so here
 

@@ -1,6 +1,7 @@
 """OpenAI-compatible chat completions. With the `chunks` extension the request becomes a
 chunk-structured prompt (system message -> system, last user message -> question) and gets
-chunk KV reuse; without it, it is a plain chat computed in full."""
+chunk KV reuse; without it, it is a plain chat, whose passages this sidecar remembers (warmed or
+sent as chunks before) are still reused where the messages quote them."""
 
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def _chunked(ctx: ServerContext, body: ChatCompletionRequest, sampling: Sampling
         raise ApiError(422, "messages: with chunks, a user message (the question) is required", "messages",
                        "question_missing")
     chunks = scope_chunks(body.chunks, tenant)
+    ctx.passages.remember(chunks, tenant)
     quoted = _quoted_in_messages(body, chunks)
     if quoted is not None:
         # the app already put the passages in its messages (as RAG frameworks do): keep its chat as
@@ -126,9 +128,17 @@ def _quoted_in_messages(body: ChatCompletionRequest, chunks: list[Chunk]) -> lis
 
 
 def _plain(ctx: ServerContext, body: ChatCompletionRequest, sampling: SamplingParams, tenant: str):
+    """A chat without `chunks`: computed in full, unless it quotes passages this sidecar remembers
+    for the tenant (passage_book.py); then those are reused in the verbatim layout."""
     messages = _plain_messages(body)
+    check_policy(body.policy)
+    ctx.backend.check_policy(body.policy)
 
     def make() -> Iterator[str | GenerationResult]:
+        # on the worker thread: matching the remembered passages is string search, off the event loop
+        recovered = ctx.passages.find(messages, tenant, body.conversation_id).prompt
+        if recovered is not None:
+            return ctx.backend.generate(recovered, sampling, body.policy, tenant, "preserve")
         return ctx.backend.chat(messages, sampling, tenant)
 
     return make

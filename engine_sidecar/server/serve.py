@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine_sidecar.engine_args import port_number
+from engine_sidecar.engine_args import port_number, whole_number
 from engine_sidecar.server.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -36,6 +36,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"characters per chunk (default {_DEFAULTS.max_chunk_chars})")
     p.add_argument("--max-tokens", type=int, default=_DEFAULTS.max_tokens,
                    help=f"largest max_tokens a request may ask for (default {_DEFAULTS.max_tokens})")
+    p.add_argument("--remember-passages", type=whole_number, default=_DEFAULTS.remember_passages,
+                   help="passages remembered per tenant (warmed, or sent as chunks) and found in plain chat "
+                        "messages, so an OpenAI app that quotes them gets their KV reused (default "
+                        f"{_DEFAULTS.remember_passages}; 0: off)")
     p.add_argument("--max-body-mb", type=float, default=_DEFAULTS.max_body_bytes / (1 << 20),
                    help=f"request body size (default {_DEFAULTS.max_body_bytes >> 20} MiB)")
     p.add_argument("--request-timeout", type=float, default=_DEFAULTS.request_timeout_s,
@@ -65,7 +69,7 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> ServerSetti
         raise SystemExit("ragcache: error: --request-timeout and --max-body-mb must be positive")
     return ServerSettings(api_key=args.api_key or os.environ.get("RAGCACHE_API_KEY") or None,
                           max_queue=args.max_queue, max_chunks=args.max_chunks, max_chunk_chars=args.max_chunk_chars,
-                          max_tokens=args.max_tokens,
+                          max_tokens=args.max_tokens, remember_passages=args.remember_passages,
                           max_body_bytes=int(args.max_body_mb * (1 << 20)), request_timeout_s=args.request_timeout,
                           model_name=model_name)
 

@@ -21,3 +21,5 @@ class ServerSettings:
     request_timeout_s: float = 600.0  # from arrival to the last byte, queue wait included, streamed or not
     retry_after_s: int = 1  # what a 429 tells the client to wait
     model_name: str = "ragcache"  # echoed as `model` in OpenAI responses when the client sends none
+    # passages remembered per tenant (warmed or sent as chunks) and looked for in plain chats; 0: off
+    remember_passages: int = 4096
