@@ -2,7 +2,7 @@
 never downloads a browser here): ask questions, read back what the page shows, take a screenshot.
 
     python -m examples.chatbot.browser http://127.0.0.1:8800/ --screenshot docs/img/chatbot.png \\
-        "Where was the author of Hannibal and Scipio educated?" "When was he born?"
+        "What kind of play is Hannibal and Scipio?" "Who wrote it?" "Who developed the television series Hannibal?"
 """
 
 from __future__ import annotations
