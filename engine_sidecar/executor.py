@@ -145,7 +145,8 @@ def fused_prefill(
         prefetcher.wait(layer)
         if active.numel() == 0:  # every token reused exactly (a prefix-only run): the cached KV stands
             if lazy:
-                dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n])
+                dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n],
+                                     tables=(cos, sin))
                 temper_stale_rows(kv.keys[layer, :n], tempered, active, key_scale)
             continue
         qkv = runner.qkv(layer, hidden)
@@ -164,7 +165,8 @@ def fused_prefill(
         dispatch.scatter_rows(kv.keys_pre[layer], active, qkv.k)
         dispatch.scatter_rows(kv.values[layer], active, qkv.v)
         if lazy:
-            dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n])
+            dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n],
+                                 tables=(cos, sin))
             temper_stale_rows(kv.keys[layer, :n], tempered, active, key_scale)
         elif dense:
             kv.keys[layer, :n] = apply_rope(qkv.k, cos_a, sin_a)

@@ -75,18 +75,21 @@ def rotate_keys(
     interleaved: bool = False,
     out: torch.Tensor | None = None,
     backend: str | None = None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Pre-RoPE keys [T, heads, head_dim] rotated to global `positions` [T]; see rope.rotate_keys.
 
     Many chunks at once: concatenate their stored keys and pass one position per token
     (`rope.span_positions(starts, lengths)` builds them). Scaled RoPE (linear, llama3) is already
-    folded into `inv_freq` by `rope.inv_frequencies`.
+    folded into `inv_freq` by `rope.inv_frequencies`. `tables`: `rope.cos_sin(positions,
+    inv_freq)` when the caller holds them already (the torch path then skips computing them;
+    the Triton kernel computes its own in registers).
     """
     if resolve_backend(keys_pre.device, backend) == "triton":
         from ragcache_kernels import triton_rope
 
         return triton_rope.rotate_keys(keys_pre, positions, inv_freq, interleaved, out)
-    return _rope.rotate_keys(keys_pre, positions, inv_freq, interleaved, out)
+    return _rope.rotate_keys(keys_pre, positions, inv_freq, interleaved, out, tables)
 
 
 def selective_attention(

@@ -102,14 +102,16 @@ def rotate_keys(
     inv_freq: torch.Tensor,
     interleaved: bool = False,
     out: torch.Tensor | None = None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reference re-rotation: pre-RoPE keys [T, heads, head_dim] placed at `positions` [T].
 
     Exactly `apply_rope(keys_pre, *cos_sin(positions, inv_freq))`, so it is what the engine has
     always computed; the Triton kernel is checked against this. `out` (any [T, heads, head_dim]
-    view, e.g. a slice of the assembled KV buffer) receives the result when given.
+    view, e.g. a slice of the assembled KV buffer) receives the result when given. `tables`:
+    those cos/sin already computed (a prefill rotating one layer at a time computes them once).
     """
-    cos, sin = cos_sin(positions, inv_freq)
+    cos, sin = tables if tables is not None else cos_sin(positions, inv_freq)
     rotated = apply_rope(keys_pre, cos, sin, interleaved=interleaved)
     if out is None:
         return rotated
