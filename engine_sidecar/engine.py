@@ -23,8 +23,7 @@ from engine_sidecar.conversation import ConversationStore
 from engine_sidecar.cptree import CPTree
 from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.eos import eos_token_ids
-from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError, NonFiniteLogitsError
-from engine_sidecar.executor import PrefillResult
+from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError
 from engine_sidecar.fingerprint import model_fingerprint, tokenizer_fingerprint, weights_fingerprint
 from engine_sidecar.keys import KeyFactory
 from engine_sidecar.model.prepare import resolve_model_dir
@@ -44,6 +43,7 @@ from engine_sidecar.scheduler import Scheduler
 from engine_sidecar.sequence import GenerationStream, Sequence
 from engine_sidecar.split_prefill import SplitPrefill
 from engine_sidecar.stats import request_stats
+from engine_sidecar.step import PrefillStep
 from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.entry import CacheKey, ChunkKV, finite_kv
 from engine_sidecar.store.redis_tier import RedisTier
@@ -84,9 +84,9 @@ class Engine:
                                     fused_temperatures(config.reuse.fused_temperature, weights_fingerprint(model_dir)),
                                     runner.config.vocab_size)
         self.planning = PlanStage(self.planner, store, self.writer, self.costs, self.conversations, config)
-        self.probes = FidelityProbes(runner, builder, self.prep, self._lock, self.planning, self._prefill,
-                                     config.reuse.convention)
-        self.split = SplitPrefill(runner, self.prep, self.planning, self.writer, self._lock)  # vLLM connector
+        self.step = PrefillStep(self.planning, self.prefill_stage, self.writer)
+        self.probes = FidelityProbes(runner, builder, self.prep, self._lock, self.step, config.reuse.convention)
+        self.split = SplitPrefill(runner, self.prep, self.step, self._lock)  # vLLM connector
         c = runner.config
         kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
         self.scheduler = Scheduler(runner, self._lock, self._begin, self._complete, config.batching.max_batch,
@@ -197,21 +197,21 @@ class Engine:
         planned = seq.planned
         if planned is None:
             assert seq.prompt is not None
-            planned = self.planning.plan_to_fit(seq.prompt, seq.policy, seq.tenant, seq.sampling.max_tokens,
-                                                self.max_context)
+            planned = self.step.plan_to_fit(seq.prompt, seq.policy, seq.tenant, seq.sampling.max_tokens,
+                                            self.max_context)
             seq.times["plan_s"] = time.perf_counter() - started
         capacity = planned.plan.num_tokens + seq.sampling.max_tokens + 1
-        planned, result = self._prefill(planned, seq.policy, seq.prompt, seq.tenant, capacity, seq.times,
-                                        commit=False)
+        planned, result = self.step.prefill(planned, seq.policy, seq.prompt, seq.tenant, capacity, seq.times)
         seq.planned = planned
         assert result.logits is not None
         stats = request_stats(planned, result, time.perf_counter() - seq.t0, seq.policy, seq.times,
                               self.runner.num_layers, self.config.reuse.convention)
         more = seq.begin_decoding(result.logits, result.kv, stats, self.builder.decode, self.eos_ids)
-        # the first token is out: what the prefill computed is kept now, off the time to first
-        # token, and before any decode step (or a next request) could want it
+        # the first token is out (its choice checked the logits are finite): what the prefill
+        # computed is kept now, off the time to first token, and before any decode step (or a
+        # next request) could want it
         committed = time.perf_counter()
-        self.writer.commit(planned, result, seq.tenant)
+        self.step.commit(planned, result, seq.tenant, check_logits=False)
         seq.times["commit_s"] = time.perf_counter() - committed
         return more
 
@@ -231,22 +231,6 @@ class Engine:
 
     def lookup(self, key: CacheKey) -> ChunkKV | None:  # planning's store read (plan_stage.py)
         return self.planning.lookup(key)
-
-    def _prefill(self, planned: PlannedRequest, policy: Policy, prompt: ChunkedPrompt | None, tenant: str,
-                 capacity: int, times: dict[str, float], commit: bool = True) -> tuple[PlannedRequest, PrefillResult]:
-        """Prefill, then (unless the caller commits later) commit what it computed (commit.py): a
-        prefill that raises keeps nothing."""
-        replan = (lambda: self.planning.plan(prompt, policy, tenant, lazy=False)) if prompt is not None else None
-        planned, result = self.prefill_stage.run(planned, policy, capacity, times, replan)
-        # NaN or infinity anywhere in the KV reaches the last token's logits (every query attends
-        # to every earlier key), so finite logits clear the whole prefill for commit. A caller
-        # that commits later samples the first token first, and that choice reads the same check
-        # in its one host sync (sampling.choose_token raises before any commit).
-        if commit:
-            if result.logits is not None and not bool(torch.isfinite(result.logits.max())):
-                raise NonFiniteLogitsError(NON_FINITE_MESSAGE)
-            self.writer.commit(planned, result, tenant)
-        return planned, result
 
     # --- housekeeping ------------------------------------------------------------------------
     def clear_cache(self, chunk_id: str | None = None, tenant: str | None = None) -> int:

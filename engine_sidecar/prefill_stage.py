@@ -10,6 +10,7 @@ from collections.abc import Callable
 from engine_sidecar.adaptive import CostMeter
 from engine_sidecar.executor import PrefillResult, fused_prefill
 from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.plan import FusionPlan
 from engine_sidecar.planner import PlannedRequest
 from engine_sidecar.policies import Policy
 from engine_sidecar.prefetch import preload_depth
@@ -22,14 +23,20 @@ class PrefillStage:
         self.runner, self.store, self.costs = runner, store, costs
 
     def run(self, planned: PlannedRequest, policy: Policy, capacity: int, times: dict[str, float],
-            replan: Callable[[], PlannedRequest] | None) -> tuple[PlannedRequest, PrefillResult]:
+            replan: Callable[[], PlannedRequest] | None, upto: int | None = None,
+            ) -> tuple[PlannedRequest, PrefillResult]:
         """Run the plan (disk-tier KV prefetched layer by layer), learn costs, promote what was
-        read to RAM. A file found damaged mid-read was deleted: plan again reading whole files."""
+        read to RAM. A file found damaged mid-read was deleted: plan again reading whole files.
+        With `upto`, only the spans that start before it run, without logits (a prefill another
+        engine finishes)."""
         for attempt in (0, 1):
             started = time.perf_counter()
+            plan, observer = planned.plan, planned.observer()
+            if upto is not None:
+                plan, observer = FusionPlan([s for s in plan.spans if s.start < upto], plan.policy), None
             try:
-                result = fused_prefill(self.runner, planned.plan, policy, capacity=capacity,
-                                       observer=planned.observer(), prefetch_depth=self._preload_depth(planned))
+                result = fused_prefill(self.runner, plan, policy, capacity=capacity, need_logits=upto is None,
+                                       observer=observer, prefetch_depth=self._preload_depth(planned))
             except DamagedCacheFile:
                 if attempt or replan is None:
                     raise

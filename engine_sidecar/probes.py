@@ -6,33 +6,26 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 
 from engine_sidecar.executor import PrefillResult, decode_step, fused_prefill
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.plan import FusionPlan, PlanSpan
-from engine_sidecar.plan_stage import PlanStage
-from engine_sidecar.planner import PlannedRequest
 from engine_sidecar.policies import Policy, parse_policy
 from engine_sidecar.prompt import PromptBuilder
 from engine_sidecar.request_prep import RequestPreparer
 from engine_sidecar.stats import request_stats
+from engine_sidecar.step import PrefillStep
 from ragcache_integrations.types import ChunkedPrompt, GenerationStats
-
-# the engine's prefill of a planned request, its result committed: (planned, policy, prompt,
-# tenant, capacity, stage times) -> (the plan it ran, possibly replanned, and the result)
-Prefill = Callable[[PlannedRequest, Policy, ChunkedPrompt, str, int, dict[str, float]],
-                   tuple[PlannedRequest, PrefillResult]]
 
 
 class FidelityProbes:
     def __init__(self, runner: ModelRunner, builder: PromptBuilder, prep: RequestPreparer, lock: threading.RLock,
-                 planning: PlanStage, prefill: Prefill, convention: str):
-        self.runner, self.builder, self.prep, self.planning = runner, builder, prep, planning
+                 step: PrefillStep, convention: str):
+        self.runner, self.builder, self.prep, self.step = runner, builder, prep, step
         self._lock = lock  # the engine's
-        self._prefill, self.convention = prefill, convention
+        self.convention = convention
 
     def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
                        tenant: str = "", order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
@@ -50,9 +43,7 @@ class FidelityProbes:
         t0 = time.perf_counter()
         self.prep.validate(prompt, len(continuation) + 1)
         with self._lock:
-            planned = self.planning.plan(prompt, pol, tenant)
-            capacity = planned.plan.num_tokens + len(continuation) + 1
-            planned, result = self._prefill(planned, pol, prompt, tenant, capacity, {})
+            planned, result = self.step.run(prompt, pol, tenant, len(continuation) + 1, {})
             assert result.logits is not None
             rows = [result.logits]
             rows += [decode_step(self.runner, result.kv, token) for token in continuation]
@@ -69,8 +60,7 @@ class FidelityProbes:
         t0 = time.perf_counter()
         self.prep.validate(prompt, 1)
         with self._lock:
-            planned = self.planning.plan(prompt, pol, tenant)
-            planned, result = self._prefill(planned, pol, prompt, tenant, planned.plan.num_tokens, {})
+            planned, result = self.step.run(prompt, pol, tenant, 0, {})
         stats = request_stats(planned, result, time.perf_counter() - t0, pol, {}, self.runner.num_layers,
                               self.convention)
         return tuple(planned.plan.token_ids), result, stats

@@ -16,14 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_sidecar.commit import ReuseWriter
-from engine_sidecar.executor import KVBuffer, PrefillResult, fused_prefill
+from engine_sidecar.executor import KVBuffer, PrefillResult
 from engine_sidecar.model.runner import ModelRunner
-from engine_sidecar.plan import FusionPlan
-from engine_sidecar.plan_stage import PlanStage
 from engine_sidecar.planner import PlannedRequest
 from engine_sidecar.policies import Policy
 from engine_sidecar.request_prep import RequestPreparer
+from engine_sidecar.step import PrefillStep
 from ragcache_integrations.types import ChunkedPrompt
 from ragcache_kernels.rope import apply_rope
 
@@ -49,9 +47,8 @@ class PrefixRun:
 
 
 class SplitPrefill:
-    def __init__(self, runner: ModelRunner, prep: RequestPreparer, planning: PlanStage, writer: ReuseWriter,
-                 lock: threading.RLock):
-        self.runner, self.prep, self.planning, self.writer = runner, prep, planning, writer
+    def __init__(self, runner: ModelRunner, prep: RequestPreparer, step: PrefillStep, lock: threading.RLock):
+        self.runner, self.prep, self.step = runner, prep, step
         self._lock = lock  # the engine's
 
     def prefix(self, prompt: ChunkedPrompt | dict, policy: str | Policy, tenant: str, upto: int) -> PrefixRun:
@@ -60,11 +57,14 @@ class SplitPrefill:
         prompt, _, pol = self.prep.prepare(prompt, None, policy, "preserve", tenant)
         self.prep.validate(prompt, 1)
         with self._lock:
-            planned = self.planning.plan(prompt, pol, tenant, lazy=False)
+            planned = self.step.plan(prompt, pol, tenant, lazy=False)
             spans = [s for s in planned.plan.spans if s.start < upto]
             result = None
             if spans:
-                result = fused_prefill(self.runner, FusionPlan(spans, planned.plan.policy), pol, need_logits=False)
+                # the plan's own spans up to `upto`, as any request prefills them (store reads, the
+                # retry on a damaged file, cost learning); kept only in `learn`
+                planned, result = self.step.prefill(planned, pol, prompt, tenant, spans[-1].end, {}, upto=upto)
+                spans = [s for s in planned.plan.spans if s.start < upto]
         end = spans[-1].end if spans else 0
         return PrefixRun(planned, pol, tenant, planned.plan.token_ids, end, result)
 
@@ -86,4 +86,4 @@ class SplitPrefill:
             values[:, : run.end] = own.values[:, : run.end]
         kv = KVBuffer(keys_pre, keys, values, n)
         with self._lock:
-            self.writer.commit(run.planned, PrefillResult(None, kv, 0, 0, 0), run.tenant)
+            self.step.commit(run.planned, PrefillResult(None, kv, 0, 0, 0), run.tenant)

@@ -81,3 +81,14 @@ def test_a_prefix_reused_exactly_computes_nothing(tiny_engine):
     again = engine.split.prefix(p, "cacheblend", "", upto=question.start)
     assert again.chunk_hits == 2 and again.token_layers == 0 and again.end == question.start
     assert torch.allclose(again.result.kv.keys[:, : again.end], keys[:, : again.end], atol=1e-4)
+
+
+def test_a_shared_prefill_is_measured_like_any_request(tiny_engine):
+    """ragcache's part of a prefill shared with vLLM runs on the engine's one prefill path: its
+    compute cost feeds the cost meter (`:auto` ratios, Cache-Craft's preload depth) as any
+    request's does."""
+    engine = tiny_engine
+    assert engine.costs.compute is None  # nothing ran yet
+    run = engine.split.prefix(prompt("ab"), "full", "", upto=10_000)
+    assert run.result is not None and run.result.logits is None  # another engine computes the logits
+    assert engine.costs.compute is not None and engine.costs.compute > 0
