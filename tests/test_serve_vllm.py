@@ -234,10 +234,10 @@ def test_a_dead_vllm_is_a_clear_503(smol_dir, tmp_path):
 
     from engine_sidecar.prompt import PromptBuilder
     from engine_sidecar.server import ServerSettings, create_app
-    from engine_sidecar.server.vllm_engine import VllmBackend
-    from engine_sidecar.server.vllm_layout import VllmLayout
-    from engine_sidecar.server.vllm_stats import ConnectorStats
     from engine_sidecar.vllm_backend.launch import VllmProcess
+    from engine_sidecar.vllm_backend.layout import VllmLayout
+    from engine_sidecar.vllm_backend.serving import VllmBackend
+    from engine_sidecar.vllm_backend.stats import ConnectorStats
 
     process = VllmProcess(Path(sys.executable), smol_dir, "float32", 1024, tmp_path / "vllm.log")
     process.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])

@@ -1,7 +1,7 @@
 """What the routes ask of the engine behind them: the seam between the HTTP API and an engine.
 
 `EngineBackend` is ragcache's own engine (`ragcache serve`, the default); `VllmBackend`
-(vllm_engine.py) is vLLM with ragcache's KV connector (`ragcache serve --engine vllm`). A
+(vllm_backend/serving.py) is vLLM with ragcache's KV connector (`ragcache serve --engine vllm`). A
 generation is an iterator run on the engine worker (worker.py): text deltas, then one
 GenerationResult; errors raised before the first item become ordinary HTTP errors.
 """

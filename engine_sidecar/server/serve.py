@@ -94,7 +94,7 @@ def serve(args: argparse.Namespace, make_engine: Callable[[argparse.Namespace], 
     settings = settings_from_args(args, "ragcache")  # flag errors before the model loads
     backend: ServingBackend
     if getattr(args, "engine", "ragcache") == "vllm":
-        from engine_sidecar.server.vllm_launch import start_vllm_backend, vllm_banner
+        from engine_sidecar.vllm_backend.serve import start_vllm_backend, vllm_banner
 
         if args.max_model_len is not None and args.max_model_len < 1:
             raise SystemExit("ragcache: error: --max-model-len must be at least 1")

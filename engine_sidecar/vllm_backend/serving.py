@@ -1,7 +1,7 @@
 """`ragcache serve --engine vllm`: the sidecar's API in front of vLLM's OpenAI server, which runs
 ragcache's KV connector (engine_sidecar/vllm_backend).
 
-A chunk-structured request is laid out by ragcache's PromptBuilder (vllm_layout.py) and sent to
+A chunk-structured request is laid out by ragcache's PromptBuilder (layout.py) and sent to
 vLLM's `/v1/completions` as token ids, with `kv_transfer_params = request_params(prompt, policy,
 tenant)` and `cache_salt = tenant`: the connector supplies the KV of the leading chunks it holds
 (fused by the policy), vLLM computes the rest and decodes. The answer is streamed back as the
@@ -23,10 +23,10 @@ import httpx
 from engine_sidecar.errors import PromptTooLongError
 from engine_sidecar.server.backend import EngineFacts, Event
 from engine_sidecar.server.errors import ApiError
-from engine_sidecar.server.vllm_layout import Laid, VllmLayout
-from engine_sidecar.server.vllm_stats import ConnectorStats, vllm_request_stats
 from engine_sidecar.vllm_backend.launch import VllmProcess
+from engine_sidecar.vllm_backend.layout import Laid, VllmLayout
 from engine_sidecar.vllm_backend.params import request_params
+from engine_sidecar.vllm_backend.stats import ConnectorStats, vllm_request_stats
 from ragcache_integrations.api_models import CacheStats
 from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, SamplingParams
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from engine_sidecar.engine_args import add_engine_arguments
 from engine_sidecar.server.settings import ServerSettings
-from engine_sidecar.server.vllm_engine import SERVED_NAME, VllmBackend
-from engine_sidecar.server.vllm_layout import VllmLayout
-from engine_sidecar.server.vllm_stats import ConnectorStats
 from engine_sidecar.vllm_backend.launch import VLLM_ENV_HELP, VllmExited, VllmProcess, find_vllm_python
+from engine_sidecar.vllm_backend.layout import VllmLayout
 from engine_sidecar.vllm_backend.params import connector_config
+from engine_sidecar.vllm_backend.serving import SERVED_NAME, VllmBackend
+from engine_sidecar.vllm_backend.stats import ConnectorStats
 
 # engine flags that mean something to vLLM + the connector; the others configure ragcache's own
 # engine (its tiers, batching, precompute) and are reported as ignored when set
