@@ -3,6 +3,8 @@ the engine reading disk-tier KV layer by layer with the same result as a synchro
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -89,6 +91,29 @@ def test_a_file_damaged_mid_read_becomes_a_miss_not_an_error(tiny_llama_dir, tmp
         result = engine.generate(PROMPT, {"max_tokens": 4}, policy="cacheblend:1.0")
         assert result.stats.chunk_misses == 3
         assert result.token_ids == expected  # ratio 1.0 recomputes everything: full prefill's answer
+
+
+def test_probes_and_the_shared_prefill_meet_a_damaged_file_as_requests_do(tiny_llama_dir, tmp_path):
+    """The fidelity probes and the prefill shared with vLLM take the engine's one prefill path: a
+    file found damaged while it is read layer by layer is planned again as a miss, not an error."""
+    cache = tmp_path / "kv"
+    with cold_engine(tiny_llama_dir, cache, True) as warm:
+        warm.warm(PASSAGES)
+        warm.store.flush()
+        expected, _ = warm.prefill_logits(PROMPT, policy="full")
+    for path in sorted(cache.glob("*/*.kv.safetensors")):
+        data = bytearray(path.read_bytes())
+        data[-32:] = bytes(b ^ 0xFF for b in data[-32:])
+        path.write_bytes(bytes(data))
+    damaged_copy = tmp_path / "kv-copy"
+    shutil.copytree(cache, damaged_copy)
+    with cold_engine(tiny_llama_dir, cache, True) as engine:
+        logits, stats = engine.prefill_logits(PROMPT, policy="cacheblend:1.0")
+        assert stats.chunk_misses == 3 and engine.store.disk.corrupt_files_seen > 0
+        assert torch.allclose(logits, expected, atol=1e-4)  # everything recomputed: full prefill's logits
+    with cold_engine(tiny_llama_dir, damaged_copy, True) as engine:
+        run = engine.split.prefix(PROMPT, "cacheblend", "", upto=10_000)
+        assert run.chunk_hits == 0 and run.result is not None and engine.store.disk.corrupt_files_seen > 0
 
 
 def test_bench_prefetch_measures_both_modes_cold(tiny_llama_dir, tmp_path):
