@@ -3,10 +3,10 @@
 import os
 
 # Before torch loads its OpenMP runtime: libgomp's default spin-waiting makes every parallel op
-# wait a scheduler tick (~8 ms) whenever the cores are shared (other processes, a vLLM peer, a
-# server thread). Sleeping threads made full prefill 3-4x faster on these shared 2-core machines
-# (docs/benchmarks.md, "Prefill speed"). Set OMP_WAIT_POLICY yourself to override; it has no
-# effect when torch was imported before this package.
+# wait a scheduler tick whenever the cores are shared (other processes, a vLLM peer, a server
+# thread); sleeping threads are much faster there (docs/benchmarks.md, "Prefill speed"). Set
+# OMP_WAIT_POLICY yourself to override; it has no effect when torch was imported before this
+# package.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _EXPORTS = {"Engine": "engine_sidecar.engine", "EngineConfig": "engine_sidecar.engine_config",

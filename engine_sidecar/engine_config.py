@@ -46,8 +46,8 @@ class ReuseConfig:
     prefix_tree: bool = True  # CP-Tree exact chunk-prefix reuse
     promote_threshold: int = 2  # CA-Table count every chunk of a path needs before it is stored
     # the same for a chunk fusion already holds, where a node costs a full compute of the chunk
-    # instead of a fused one; None: never (measured on the documents stream: promoting at 4 turned
-    # 82 of 548 reusable chunk reads into full computes and made warm TTFT 1.3x slower)
+    # instead of a fused one; None: never (promoting turns reusable chunk reads into full
+    # computes: warm TTFT got slower, docs/architecture.md)
     fusion_promote_threshold: int | None = None
     # the attention temperature on reused chunk KV (tempT, APE) for a policy that names none:
     # "auto" = the T fitted for this model and policy family (calibration.py; 1 where none was

@@ -257,12 +257,11 @@ def decode_batch(runner: ModelRunner, kvs: list[KVBuffer], token_ids: list[int])
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
     """The newest token's query [H, D] over keys [n, Hkv, D] -> [H * D]. It sees every key (the
     last `window` with a sliding window), so no mask is needed. Two small matmuls; the softmax in
-    fp32. CPU SDPA's flash kernel costs ~7x as much for a single query (0.86 vs 0.12 ms at 600
-    keys). In fp32 the query goes left (q @ K^T). In bf16/fp16 the keys go left (K @ q^T) in
-    their own dtype: converting K and V to fp32 was a third of a batched decode step, and a
-    decode step with 8 sequences of ~1,200 tokens took 197 instead of 267 ms (same process,
-    interleaved); the scores are rounded to bf16 once, as in transformers' eager attention. The
-    same order in fp32 was slower (214 vs 176 ms), hence two paths."""
+    fp32: CPU SDPA's flash kernel costs several times as much for a single query. In fp32 the
+    query goes left (q @ K^T). In bf16/fp16 the keys go left (K @ q^T) in their own dtype, because
+    converting K and V to fp32 was a large share of a batched decode step; the scores are
+    rounded to bf16 once, as in transformers' eager attention. The same order in fp32 was
+    slower, hence two paths."""
     if window is not None and k.shape[0] > window:
         k, v = k[-window:], v[-window:]
     kv_heads, head_dim = k.shape[1], k.shape[2]

@@ -193,7 +193,7 @@ def run_load(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(args.model)
     builder = PromptBuilder.load(model_dir)
     dtype = args.dtype
-    if dtype == "auto":  # bf16 only where the CPU computes it natively (emulated bf16 is ~6x slower)
+    if dtype == "auto":  # bf16 only where the CPU computes it natively (emulated bf16 is much slower)
         from engine_sidecar.model.runner import cpu_bf16_native
 
         dtype = "bfloat16" if cpu_bf16_native() else "float32"

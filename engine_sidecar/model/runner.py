@@ -49,10 +49,9 @@ def cpu_bf16_native(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        # fp32 on CPU. On CPUs with AVX512-bf16/AMX bf16 prefill is ~1.5-2.8x faster and its
-        # full-prefill answers match fp32's closely (ROUGE-L 0.99), but fused answers lose a
-        # little more (cacheblend:0.15 ROUGE-L 0.70 vs 0.75 on 10 MuSiQue questions); on
-        # AVX2-only CPUs bf16 is emulated and ~6x slower (docs/benchmarks.md, "Prefill speed").
+        # fp32 on CPU. On CPUs with AVX512-bf16/AMX bf16 prefill is faster and full prefill's
+        # answers match fp32's closely, but fused answers lose a little more; on AVX2-only CPUs
+        # bf16 is emulated and much slower (docs/benchmarks.md, "Prefill speed").
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise UnsupportedDtypeError(f"unknown dtype '{dtype}': use auto, float32, bfloat16 or float16")
