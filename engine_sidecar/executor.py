@@ -68,6 +68,27 @@ class PrefillResult:
     prefetched: list[ChunkKV] = field(default_factory=list)  # those entries, now fully in memory
 
 
+@dataclass
+class ActiveRows:
+    """The tokens that get hidden states on the current layer (a policy may shrink the set between
+    layers), with what each layer needs of them."""
+
+    index: torch.Tensor  # [A] rows of the prompt, ascending (device)
+    must_keep: torch.Tensor  # [A] bool: rows with no cached KV, which no policy may drop
+    hidden: torch.Tensor  # [A, hidden]
+    cos: torch.Tensor  # [A, head_dim] RoPE tables at their positions
+    sin: torch.Tensor
+
+    @classmethod
+    def start(cls, index: torch.Tensor, must_keep: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> ActiveRows:
+        return cls(index, must_keep, hidden, cos[index], sin[index])
+
+    def shrink(self, keep: torch.Tensor) -> None:
+        self.index, self.must_keep, self.hidden = self.index[keep], self.must_keep[keep], self.hidden[keep]
+        self.cos, self.sin = self.cos[keep], self.sin[keep]
+
+
 @torch.inference_mode()
 def fused_prefill(
     runner: ModelRunner,
@@ -89,24 +110,8 @@ def fused_prefill(
     positions = torch.arange(n, device=device)
     cos, sin = runner.rope_tables(positions)
 
-    has_cache = torch.zeros(n, dtype=torch.bool)
-    load_started = time.perf_counter()
-    loaded = 0
-    for span in plan.spans:
-        if span.cached is not None and span.mode != "fresh":
-            if span.cached.reader is None:
-                kv.keys_pre[:, span.start : span.end] = span.cached.keys
-                kv.values[:, span.start : span.end] = span.cached.values
-                loaded += len(span)
-            has_cache[span.start : span.end] = True
-    load_s = time.perf_counter() - load_started
-    fused = torch.zeros(n, dtype=torch.bool)
-    tempered = torch.zeros(n, dtype=torch.bool)  # the fused rows `tempT` scales
-    for span in plan.spans:
-        if span.mode == "fuse":
-            fused[span.start : span.end] = True
-            tempered[span.start : span.end] = is_tempered(span.cached, policy)
-
+    has_cache, loaded, load_s = _load_cached(kv, plan)
+    fused, tempered = _fused_rows(plan, policy)
     lazy = any(s.cached is not None and s.cached.reader is not None and s.mode != "fresh" for s in plan.spans)
     # `tempT`: the fused chunks' cached keys are scaled by 1/T once rotated, which divides every
     # query's logits on them by T (RoPE is linear); rows recomputed on a layer are overwritten there
@@ -116,12 +121,17 @@ def fused_prefill(
         # every layer's cached keys rotated to their new positions in one pass; per layer only the
         # recomputed rows are rotated again (with prefetch, layers arrive one by one: per layer)
         kv.keys[:, :n] = apply_rope(kv.keys_pre[:, :n], cos, sin)
-        if key_scale is not None:
-            for span in plan.spans:
-                if span.mode == "fuse" and is_tempered(span.cached, policy):
-                    kv.keys[:, span.start : span.end].mul_(key_scale)
+        for span in plan.spans if key_scale is not None else ():
+            if span.mode == "fuse" and is_tempered(span.cached, policy):
+                kv.keys[:, span.start : span.end].mul_(key_scale)
         # a question probe reads them here rather than copying and rotating them once more
         reused = ReusedKV(kv.keys[:, :n], kv.values[:, :n])
+
+    def rotate_layer(layer: int, active: torch.Tensor) -> None:  # one layer's keys as they arrive from disk
+        dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n],
+                             tables=(cos, sin))
+        temper_stale_rows(kv.keys[layer, :n], tempered, active, key_scale)
+
     probe_token_layers = policy.prepare(runner, plan, reused)  # model work before layer 0 (the question probe)
     active_mask = policy.initial_active(plan) | ~has_cache
     # tokens active from layer 0 that stay active never read their cached rows: skip them
@@ -130,12 +140,9 @@ def fused_prefill(
     # chosen on the host (the masks live there): reading device indices back would wait for the
     # cached keys' rotation queued above
     active_host = active_mask.nonzero().squeeze(1)
-    must_keep = (~has_cache)[active_host].to(device)
-    active = active_host.to(device)
-    hidden = runner.embed(ids[active])
+    rows = ActiveRows.start(active_host.to(device), (~has_cache)[active_host].to(device),
+                            runner.embed(ids[active_host.to(device)]), cos, sin)
     token_layers = probe_token_layers
-    # per active set (it changes only where a policy shrinks it): its positions and RoPE tables
-    cos_a, sin_a, query_pos = cos[active], sin[active], positions[active]
     window = runner.config.sliding_window
 
     def rope_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -143,53 +150,78 @@ def fused_prefill(
 
     for layer in range(runner.num_layers):
         prefetcher.wait(layer)
-        if active.numel() == 0:  # every token reused exactly (a prefix-only run): the cached KV stands
+        if rows.index.numel() == 0:  # every token reused exactly (a prefix-only run): the cached KV stands
             if lazy:
-                dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n],
-                                     tables=(cos, sin))
-                temper_stale_rows(kv.keys[layer, :n], tempered, active, key_scale)
+                rotate_layer(layer, rows.index)
             continue
-        qkv = runner.qkv(layer, hidden)
+        qkv = runner.qkv(layer, rows.hidden)
         keep = policy.refine(
-            LayerView(layer, active, must_keep, qkv.k, qkv.v, kv.keys_pre[layer, :n], kv.values[layer, :n],
+            LayerView(layer, rows.index, rows.must_keep, qkv.k, qkv.v, kv.keys_pre[layer, :n], kv.values[layer, :n],
                       runner.num_layers, qkv.q, rope_at)
         )
         if keep is not None and not bool(keep.all()):
             keep = keep.to(device)
-            active, must_keep, hidden = active[keep], must_keep[keep], hidden[keep]
+            rows.shrink(keep)
             qkv.q, qkv.k, qkv.v = qkv.q[keep], qkv.k[keep], qkv.v[keep]
-            cos_a, sin_a, query_pos = cos_a[keep], sin_a[keep], query_pos[keep]
+        active = rows.index
         token_layers += int(active.shape[0])
         dense = active.shape[0] == n
         # Triton kernels on CUDA, torch references elsewhere (RAGCACHE_KERNELS forces either)
         dispatch.scatter_rows(kv.keys_pre[layer], active, qkv.k)
         dispatch.scatter_rows(kv.values[layer], active, qkv.v)
         if lazy:
-            dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n],
-                                 tables=(cos, sin))
-            temper_stale_rows(kv.keys[layer, :n], tempered, active, key_scale)
+            rotate_layer(layer, active)
         elif dense:
-            kv.keys[layer, :n] = apply_rope(qkv.k, cos_a, sin_a)
+            kv.keys[layer, :n] = apply_rope(qkv.k, rows.cos, rows.sin)
         else:
-            dispatch.scatter_rows(kv.keys[layer], active, apply_rope(qkv.k, cos_a, sin_a))
-        q = apply_rope(qkv.q, cos_a, sin_a)
+            dispatch.scatter_rows(kv.keys[layer], active, apply_rope(qkv.k, rows.cos, rows.sin))
+        q = apply_rope(qkv.q, rows.cos, rows.sin)
         if observer is not None:
             observer(layer, q, active, kv.keys[layer, :n])
-        attn = dispatch.selective_attention(q, kv.keys[layer, :n], kv.values[layer, :n], query_pos, positions,
+        # positions are 0..n-1 in order, so a row's index is its position
+        attn = dispatch.selective_attention(q, kv.keys[layer, :n], kv.values[layer, :n], active, positions,
                                             window, dense)
-        hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn.reshape(attn.shape[0], -1)))
+        rows.hidden = runner.mlp(layer, runner.attn_out(layer, rows.hidden, attn.reshape(attn.shape[0], -1)))
 
     kv.length = n
     logits = None
     if need_logits:
-        logits = runner.logits(hidden[-1:])[0]
-    active_host = active.cpu()  # the one read-back of the prefill, after every layer is queued
+        logits = runner.logits(rows.hidden[-1:])[0]
+    active_host = rows.index.cpu()  # the one read-back of the prefill, after every layer is queued
     if need_logits and (active_host.numel() == 0 or int(active_host[-1]) != n - 1):
         raise AssertionError("the last prompt token must stay active to produce logits")
     recomputed = int(fused[active_host].sum())
     prefetched = prefetcher.finish()
     return PrefillResult(logits, kv, token_layers, recomputed, int(fused.sum()), load_s, loaded,
                          prefetcher.times if prefetcher else None, prefetched)
+
+
+def _load_cached(kv: KVBuffer, plan: FusionPlan) -> tuple[torch.Tensor, int, float]:
+    """Copy the RAM-tier KV of the plan's cached spans into the buffer (disk-tier spans arrive a
+    layer at a time later). Returns the rows holding cached KV ([n] bool, on the host), how many
+    rows were copied, and the seconds it took."""
+    has_cache = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    started = time.perf_counter()
+    loaded = 0
+    for span in plan.spans:
+        if span.cached is not None and span.mode != "fresh":
+            if span.cached.reader is None:
+                kv.keys_pre[:, span.start : span.end] = span.cached.keys
+                kv.values[:, span.start : span.end] = span.cached.values
+                loaded += len(span)
+            has_cache[span.start : span.end] = True
+    return has_cache, loaded, time.perf_counter() - started
+
+
+def _fused_rows(plan: FusionPlan, policy: Policy) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of fused chunks, and those of them `tempT` scales ([n] bool each, on the host)."""
+    fused = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    tempered = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    for span in plan.spans:
+        if span.mode == "fuse":
+            fused[span.start : span.end] = True
+            tempered[span.start : span.end] = is_tempered(span.cached, policy)
+    return fused, tempered
 
 
 def is_tempered(cached: ChunkKV | None, policy: Policy) -> bool:
