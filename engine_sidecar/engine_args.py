@@ -18,35 +18,27 @@ def non_negative(text: str) -> float:
     return value
 
 
-def port_number(text: str) -> int:
+def _int_within(text: str, low: int, high: int | None, refusal: str) -> int:
+    """`text` as an int in [low, high]; otherwise argparse's one-line error saying `refusal`."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535 (0: a free one), got {text}")
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{refusal}, got {text}")
     return value
+
+
+def port_number(text: str) -> int:
+    return _int_within(text, 0, 65535, "must be a TCP port from 0 to 65535 (0: a free one)")
 
 
 def whole_number(text: str) -> int:
-    """An int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _int_within(text, 0, None, "must be >= 0")
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
+    return _int_within(text, 1, None, "must be at least 1")
 
 
 def fused_temperature_arg(text: str) -> str | float:
