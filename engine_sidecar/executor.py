@@ -253,37 +253,52 @@ def decode_step(runner: ModelRunner, kv: KVBuffer, token_id: int) -> torch.Tenso
 def decode_batch(runner: ModelRunner, kvs: list[KVBuffer], token_ids: list[int]) -> torch.Tensor:
     """One decode step for several sequences at once: token i is appended to kvs[i] at its own
     position. Projections and MLPs run as one matmul over the batch (on a CPU a [B, hidden]
-    GEMM costs about what a [1, hidden] one does: the weights are read once); attention runs per
-    sequence over that sequence's KV. Returns logits [B, vocab]."""
+    GEMM costs about what a [1, hidden] one does: the weights are read once). With the Triton
+    kernels, every sequence's new rows are written in one launch per layer and attended in
+    another; otherwise rows are written and attended sequence by sequence (on a CPU in bf16 the
+    attention is one native call). Returns logits [B, vocab]."""
     device = runner.device
     positions = [kv.length for kv in kvs]
     for kv, pos in zip(kvs, positions, strict=True):
         kv.ensure_capacity(pos + 1)
+    window = runner.config.sliding_window
+    batched = dispatch.batched_decode([kv.keys_pre for kv in kvs], [kv.keys for kv in kvs],
+                                      [kv.values for kv in kvs], positions, window)
     position_t = torch.tensor(positions, device=device)
     cos, sin = runner.rope_tables(position_t)
-    window = runner.config.sliding_window
     hidden = runner.embed(torch.tensor(token_ids, device=device))
     for layer in range(runner.num_layers):
         qkv = runner.qkv(layer, hidden)
         k_rot = apply_rope(qkv.k, cos, sin)
         q = apply_rope(qkv.q, cos, sin)
-        keys, values = [], []
-        for i, (kv, pos) in enumerate(zip(kvs, positions, strict=True)):
-            kv.keys_pre[layer, pos] = qkv.k[i]
-            kv.keys[layer, pos] = k_rot[i]
-            kv.values[layer, pos] = qkv.v[i]
-            start = 0 if window is None else max(0, pos + 1 - window)
-            keys.append(kv.keys[layer, start : pos + 1])
-            values.append(kv.values[layer, start : pos + 1])
-        # every sequence in one native call where it applies (bf16 CPU), else one torch call each
-        attn = dispatch.decode_attention(q, keys, values)
-        if attn is None:
-            outputs = [_decode_attention(q[i], keys[i], values[i], None) for i in range(len(kvs))]
-            attn = torch.stack(outputs) if len(outputs) > 1 else outputs[0][None]
+        if batched is not None:
+            batched.append(layer, qkv.k, k_rot, qkv.v)
+            attn = batched.attend(layer, q)
+        else:
+            attn = attend_each(layer, kvs, positions, window, q, qkv.k, k_rot, qkv.v)
         hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn))
     for kv, pos in zip(kvs, positions, strict=True):
         kv.length = pos + 1
     return runner.logits(hidden)
+
+
+def attend_each(layer: int, kvs: list[KVBuffer], positions: list[int], window: int | None, q: torch.Tensor,
+                 k_pre: torch.Tensor, k_rot: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Sequence by sequence: write each new row, then attend (every sequence in one native call
+    where it applies, bf16 on a CPU; else one torch call each). Returns [B, H * D]."""
+    keys, visible_values = [], []
+    for i, (kv, pos) in enumerate(zip(kvs, positions, strict=True)):
+        kv.keys_pre[layer, pos] = k_pre[i]
+        kv.keys[layer, pos] = k_rot[i]
+        kv.values[layer, pos] = values[i]
+        start = 0 if window is None else max(0, pos + 1 - window)
+        keys.append(kv.keys[layer, start : pos + 1])
+        visible_values.append(kv.values[layer, start : pos + 1])
+    attn = dispatch.decode_attention(q, keys, visible_values)
+    if attn is None:
+        outputs = [_decode_attention(q[i], keys[i], visible_values[i], None) for i in range(len(kvs))]
+        attn = torch.stack(outputs) if len(outputs) > 1 else outputs[0][None]
+    return attn
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -29,6 +29,9 @@ from ragcache_kernels import cpu_native as _cpu_native
 from ragcache_kernels import kv as _kv
 from ragcache_kernels import rope as _rope
 from ragcache_kernels._triton_common import MAX_MASS_SEGMENTS, rows_are_dense
+
+if TYPE_CHECKING:
+    from ragcache_kernels import triton_decode
 
 Backend = Literal["triton", "torch"]
 ENV_VAR = "RAGCACHE_KERNELS"
@@ -143,6 +146,22 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
     if _requested(backend) != "auto" or q.device.type != "cpu" or q.dtype not in _cpu_native.KERNELS:
         return None
     return _cpu_native.decode_attention(q, keys, values)
+
+
+def batched_decode(keys_pre: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
+                   positions: list[int], sliding_window: int | None = None,
+                   backend: str | None = None) -> triton_decode.DecodeBatch | None:
+    """A decode step's table for the Triton batched kernels (one launch per layer appends every
+    sequence's new rows, one attends every sequence's query), or None: the caller then writes
+    and attends sequence by sequence. Buffers are [layers, capacity, kv_heads, head_dim] per
+    sequence; sequence b's new row goes at positions[b]."""
+    if resolve_backend(keys[0].device, backend) != "triton":
+        return None
+    if not all(t.is_contiguous() for group in (keys_pre, keys, values) for t in group):
+        return None
+    from ragcache_kernels import triton_decode as batched
+
+    return batched.decode_batch_table(keys_pre, keys, values, positions, sliding_window)
 
 
 def selective_attention_with_mass(

@@ -160,7 +160,7 @@ def _selective_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(
+def merge_splits_kernel(
     PART_ACC,
     PART_ML,
     OUT,
@@ -335,7 +335,7 @@ def selective_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     if splits > 1:
-        _merge_splits_kernel[(num_queries, heads)](
+        merge_splits_kernel[(num_queries, heads)](
             part_acc,
             part_ml,
             out,

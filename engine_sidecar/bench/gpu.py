@@ -266,6 +266,7 @@ def kernels_section(device: torch.device, quick: bool) -> dict[str, Any]:
             b = dispatch.rotate_keys(k, pos, inv, backend="triton")
             out["max_abs_diff"][f"rope {name}"] = float((a.float() - b.float()).abs().max())
     out["few_queries_split_keys"] = few_queries_split(device, quick)
+    out["batched_decode_layer"] = batched_decode_bench(device, quick)
     args = argparse.Namespace(model="llama8b", tokens=512 if quick else 8192, ratio=0.15, chunks=8, dtype="bfloat16",
                               device=device.type, warmup=3, repeats=20, out=None)
     out["timings"] = [{k: r[k] for k in ("op", "impl", "shape", "ms", "speedup_vs_reference")}
@@ -304,6 +305,47 @@ def few_queries_split(device: torch.device, quick: bool) -> list[dict[str, Any]]
         rows.append({"keys": keys, "queries": queries, "one_split_ms": round(times["one split"], 4),
                      "split_keys_ms": round(times["split keys"], 4),
                      "speedup": round(times["one split"] / times["split keys"], 2)})
+    return rows
+
+
+def _decode_layer_each(kvs: list, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+    from engine_sidecar.executor import attend_each
+
+    return attend_each(0, kvs, [kv.length for kv in kvs], None, q, k_new, k_new, v_new)
+
+
+def _decode_layer_batched(kvs: list, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+    from ragcache_kernels import dispatch
+
+    step = dispatch.batched_decode([kv.keys_pre for kv in kvs], [kv.keys for kv in kvs], [kv.values for kv in kvs],
+                                   [kv.length for kv in kvs], backend="triton")
+    assert step is not None
+    step.append(0, k_new, k_new, v_new)
+    return step.attend(0, q)
+
+
+def batched_decode_bench(device: torch.device, quick: bool) -> list[dict[str, Any]]:
+    """One decode layer of B sequences (8B shape, bf16, ~6.2K keys each): the new rows written and
+    attended sequence by sequence (torch) against the Triton batched kernels (one launch each)."""
+    from engine_sidecar.executor import KVBuffer
+
+    gen = torch.Generator().manual_seed(3)
+    rows: list[dict[str, Any]] = []
+    keys = 64 if quick else 6231
+    for batch in (1, 4) if quick else (1, 8, 32):
+        kvs = [KVBuffer(*(torch.randn(1, keys + 1, 8, 128, generator=gen).to(device, torch.bfloat16)
+                          for _ in range(3)), length=keys - i) for i in range(batch)]
+        q = torch.randn(batch, 32, 128, generator=gen).to(device, torch.bfloat16)
+        k_new, v_new = (torch.randn(batch, 8, 128, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+        each = functools.partial(_decode_layer_each, kvs, q, k_new, v_new)
+        batched = functools.partial(_decode_layer_batched, kvs, q, k_new, v_new)
+        diff = float((each().float() - batched().float()).abs().max())
+        repeats, warmups = (1, 0) if quick else (50, 2)
+        each_ms = timed(device, each, repeats, warmups) * 1e3
+        batched_ms = timed(device, batched, repeats, warmups) * 1e3
+        rows.append({"sequences": batch, "keys": keys, "max_abs_diff": round(diff, 5),
+                     "per_sequence_ms": round(each_ms, 4), "batched_ms": round(batched_ms, 4),
+                     "speedup": round(each_ms / batched_ms, 2)})
     return rows
 
 
@@ -503,6 +545,14 @@ def markdown(report: dict[str, Any]) -> str:
                   "| keys | queries | one split per query block | keys split | speed-up |", "|---|---|---|---|---|"]
         lines += [f"| {r['keys']} | {r['queries']} | {r['one_split_ms']} | {r['split_keys_ms']} | {r['speedup']}× |"
                   for r in split]
+        lines.append("")
+    decode_layer = report.get("kernels", {}).get("batched_decode_layer")
+    if decode_layer:
+        lines += ["Decode attention, one layer (8B heads, bf16; ms): new rows written and attended per sequence "
+                  "(torch) vs the Triton batched kernels:", "",
+                  "| sequences | keys each | per sequence | batched | speed-up | max abs diff |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['sequences']} | {r['keys']} | {r['per_sequence_ms']} | {r['batched_ms']} | {r['speedup']}× | "
+                  f"{r['max_abs_diff']} |" for r in decode_layer]
         lines.append("")
     for key, value in report.items():
         if key.startswith("ttft_") and "policies" in value:
