@@ -103,97 +103,140 @@ def fused_prefill(
     [n,Hkv,D])` sees each layer's attention inputs (Cache-Craft records chunk statistics). Spans
     whose cached KV is still on disk (`ChunkKV.reader`) are read a layer at a time on a thread
     while earlier layers compute, `prefetch_depth` layers before layer 0 starts."""
-    n = plan.num_tokens
-    device = runner.device
-    kv = KVBuffer.allocate(runner, max(capacity or n, n))
-    ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
-    positions = torch.arange(n, device=device)
-    cos, sin = runner.rope_tables(positions)
-
-    has_cache, loaded, load_s = _load_cached(kv, plan)
-    fused, tempered = _fused_rows(plan, policy)
-    lazy = any(s.cached is not None and s.cached.reader is not None and s.mode != "fresh" for s in plan.spans)
-    # `tempT`: the fused chunks' cached keys are scaled by 1/T once rotated, which divides every
-    # query's logits on them by T (RoPE is linear); rows recomputed on a layer are overwritten there
-    key_scale = 1.0 / policy.temperature if policy.temperature != 1.0 and bool(tempered.any()) else None
-    reused = None
-    if bool(has_cache.any()) and not lazy:
-        # every layer's cached keys rotated to their new positions in one pass; per layer only the
-        # recomputed rows are rotated again (with prefetch, layers arrive one by one: per layer)
-        kv.keys[:, :n] = apply_rope(kv.keys_pre[:, :n], cos, sin)
-        for span in plan.spans if key_scale is not None else ():
-            if span.mode == "fuse" and is_tempered(span.cached, policy):
-                kv.keys[:, span.start : span.end].mul_(key_scale)
-        # a question probe reads them here rather than copying and rotating them once more
-        reused = ReusedKV(kv.keys[:, :n], kv.values[:, :n])
-
-    def rotate_layer(layer: int, active: torch.Tensor) -> None:  # one layer's keys as they arrive from disk
-        dispatch.rotate_keys(kv.keys_pre[layer, :n], positions, runner.inv_freq, out=kv.keys[layer, :n],
-                             tables=(cos, sin))
-        temper_stale_rows(kv.keys[layer, :n], tempered, active, key_scale)
-
-    probe_token_layers = policy.prepare(runner, plan, reused)  # model work before layer 0 (the question probe)
-    active_mask = policy.initial_active(plan) | ~has_cache
+    run = _FusedRun.start(runner, plan, policy, capacity, observer)
+    reused = run.rotate_cached()
+    token_layers = policy.prepare(runner, plan, reused)  # model work before layer 0 (the question probe)
+    active_mask = policy.initial_active(plan) | ~run.has_cache
     # tokens active from layer 0 that stay active never read their cached rows: skip them
     skip = active_mask if policy.keeps_initial_active else None
-    prefetcher = LayerPrefetcher(plan, kv.keys_pre, kv.values, prefetch_depth, skip).start()
+    prefetcher = LayerPrefetcher(plan, run.kv.keys_pre, run.kv.values, prefetch_depth, skip).start()
     # chosen on the host (the masks live there): reading device indices back would wait for the
     # cached keys' rotation queued above
     active_host = active_mask.nonzero().squeeze(1)
-    rows = ActiveRows.start(active_host.to(device), (~has_cache)[active_host].to(device),
-                            runner.embed(ids[active_host.to(device)]), cos, sin)
-    token_layers = probe_token_layers
-    window = runner.config.sliding_window
-
-    def rope_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return apply_rope(x, cos[idx], sin[idx])
-
+    device = runner.device
+    rows = ActiveRows.start(active_host.to(device), (~run.has_cache)[active_host].to(device),
+                            runner.embed(run.ids[active_host.to(device)]), run.cos, run.sin)
     for layer in range(runner.num_layers):
         prefetcher.wait(layer)
+        token_layers += run.layer(layer, rows)
+    return run.finish(rows, need_logits, token_layers, prefetcher)
+
+
+@dataclass
+class _FusedRun:
+    """What every layer of one fused prefill shares: the buffer, the RoPE tables, which rows hold
+    cached KV of fused chunks and which of those `tempT` scales."""
+
+    runner: ModelRunner
+    plan: FusionPlan
+    policy: Policy
+    kv: KVBuffer
+    ids: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    has_cache: torch.Tensor  # [n] bool, host
+    loaded: int
+    load_s: float
+    fused: torch.Tensor  # [n] bool, host
+    tempered: torch.Tensor  # [n] bool, host
+    key_scale: float | None  # 1/T for `tempT`'s tempered rows, None when nothing is scaled
+    lazy: bool  # some cached KV still on disk: keys are rotated layer by layer as they arrive
+    observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None
+
+    @classmethod
+    def start(cls, runner: ModelRunner, plan: FusionPlan, policy: Policy, capacity: int | None,
+              observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None) -> _FusedRun:
+        n = plan.num_tokens
+        device = runner.device
+        kv = KVBuffer.allocate(runner, max(capacity or n, n))
+        positions = torch.arange(n, device=device)
+        cos, sin = runner.rope_tables(positions)
+        has_cache, loaded, load_s = _load_cached(kv, plan)
+        fused, tempered = _fused_rows(plan, policy)
+        lazy = any(s.cached is not None and s.cached.reader is not None and s.mode != "fresh" for s in plan.spans)
+        # `tempT`: the fused chunks' cached keys are scaled by 1/T once rotated, which divides every
+        # query's logits on them by T (RoPE is linear); rows recomputed on a layer are overwritten there
+        key_scale = 1.0 / policy.temperature if policy.temperature != 1.0 and bool(tempered.any()) else None
+        ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
+        return cls(runner, plan, policy, kv, ids, positions, cos, sin, has_cache, loaded, load_s, fused, tempered,
+                   key_scale, lazy, observer)
+
+    @property
+    def n(self) -> int:
+        return self.plan.num_tokens
+
+    def rotate_cached(self) -> ReusedKV | None:
+        """Every layer's cached keys rotated to their new positions in one pass (per layer only the
+        recomputed rows are rotated again), unless they arrive layer by layer from disk. A question
+        probe reads them from the buffer rather than copying and rotating them once more."""
+        if not bool(self.has_cache.any()) or self.lazy:
+            return None
+        kv, n = self.kv, self.n
+        kv.keys[:, :n] = apply_rope(kv.keys_pre[:, :n], self.cos, self.sin)
+        for span in self.plan.spans if self.key_scale is not None else ():
+            if span.mode == "fuse" and is_tempered(span.cached, self.policy):
+                kv.keys[:, span.start : span.end].mul_(self.key_scale)
+        return ReusedKV(kv.keys[:, :n], kv.values[:, :n])
+
+    def rotate_layer(self, layer: int, active: torch.Tensor) -> None:
+        """One layer's keys as they arrive from disk."""
+        n = self.n
+        dispatch.rotate_keys(self.kv.keys_pre[layer, :n], self.positions, self.runner.inv_freq,
+                             out=self.kv.keys[layer, :n], tables=(self.cos, self.sin))
+        temper_stale_rows(self.kv.keys[layer, :n], self.tempered, active, self.key_scale)
+
+    def rope_at(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, self.cos[idx], self.sin[idx])
+
+    def layer(self, layer: int, rows: ActiveRows) -> int:
+        """One layer over the active rows (which the policy may shrink first); how many it computed."""
+        runner, kv, n = self.runner, self.kv, self.n
         if rows.index.numel() == 0:  # every token reused exactly (a prefix-only run): the cached KV stands
-            if lazy:
-                rotate_layer(layer, rows.index)
-            continue
+            if self.lazy:
+                self.rotate_layer(layer, rows.index)
+            return 0
         qkv = runner.qkv(layer, rows.hidden)
-        keep = policy.refine(
+        keep = self.policy.refine(
             LayerView(layer, rows.index, rows.must_keep, qkv.k, qkv.v, kv.keys_pre[layer, :n], kv.values[layer, :n],
-                      runner.num_layers, qkv.q, rope_at)
+                      runner.num_layers, qkv.q, self.rope_at)
         )
         if keep is not None and not bool(keep.all()):
-            keep = keep.to(device)
+            keep = keep.to(runner.device)
             rows.shrink(keep)
             qkv.q, qkv.k, qkv.v = qkv.q[keep], qkv.k[keep], qkv.v[keep]
         active = rows.index
-        token_layers += int(active.shape[0])
         dense = active.shape[0] == n
         # Triton kernels on CUDA, torch references elsewhere (RAGCACHE_KERNELS forces either)
         dispatch.scatter_rows(kv.keys_pre[layer], active, qkv.k)
         dispatch.scatter_rows(kv.values[layer], active, qkv.v)
-        if lazy:
-            rotate_layer(layer, active)
+        if self.lazy:
+            self.rotate_layer(layer, active)
         elif dense:
             kv.keys[layer, :n] = apply_rope(qkv.k, rows.cos, rows.sin)
         else:
             dispatch.scatter_rows(kv.keys[layer], active, apply_rope(qkv.k, rows.cos, rows.sin))
         q = apply_rope(qkv.q, rows.cos, rows.sin)
-        if observer is not None:
-            observer(layer, q, active, kv.keys[layer, :n])
+        if self.observer is not None:
+            self.observer(layer, q, active, kv.keys[layer, :n])
         # positions are 0..n-1 in order, so a row's index is its position
-        attn = dispatch.selective_attention(q, kv.keys[layer, :n], kv.values[layer, :n], active, positions,
-                                            window, dense)
+        attn = dispatch.selective_attention(q, kv.keys[layer, :n], kv.values[layer, :n], active, self.positions,
+                                            runner.config.sliding_window, dense)
         rows.hidden = runner.mlp(layer, runner.attn_out(layer, rows.hidden, attn.reshape(attn.shape[0], -1)))
+        return int(active.shape[0])
 
-    kv.length = n
-    logits = None
-    if need_logits:
-        logits = runner.logits(rows.hidden[-1:])[0]
-    active_host = rows.index.cpu()  # the one read-back of the prefill, after every layer is queued
-    if need_logits and (active_host.numel() == 0 or int(active_host[-1]) != n - 1):
-        raise AssertionError("the last prompt token must stay active to produce logits")
-    recomputed = int(fused[active_host].sum())
-    prefetched = prefetcher.finish()
-    return PrefillResult(logits, kv, token_layers, recomputed, int(fused.sum()), load_s, loaded,
-                         prefetcher.times if prefetcher else None, prefetched)
+    def finish(self, rows: ActiveRows, need_logits: bool, token_layers: int,
+               prefetcher: LayerPrefetcher) -> PrefillResult:
+        n = self.n
+        self.kv.length = n
+        logits = self.runner.logits(rows.hidden[-1:])[0] if need_logits else None
+        active_host = rows.index.cpu()  # the one read-back of the prefill, after every layer is queued
+        if need_logits and (active_host.numel() == 0 or int(active_host[-1]) != n - 1):
+            raise AssertionError("the last prompt token must stay active to produce logits")
+        recomputed = int(self.fused[active_host].sum())
+        prefetched = prefetcher.finish()
+        return PrefillResult(logits, self.kv, token_layers, recomputed, int(self.fused.sum()), self.load_s,
+                             self.loaded, prefetcher.times if prefetcher else None, prefetched)
 
 
 def _load_cached(kv: KVBuffer, plan: FusionPlan) -> tuple[torch.Tensor, int, float]:

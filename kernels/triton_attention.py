@@ -30,47 +30,37 @@ _FAR = tl.constexpr(1 << 62)
 
 
 @triton.jit
+def _store_queries(OUT, MASS, PART_ACC, PART_ML, acc, seg_acc, m_i, l_i, offs_m, offs_d, seg_cols, m_ok, d_ok, head,
+                   split, stride_ot, stride_oh, stride_mt, stride_mh, stride_ps, stride_pt, stride_ms, stride_mtq,
+                   HEAD_DIM: tl.constexpr, WITH_MASS: tl.constexpr, SPLIT: tl.constexpr):
+    """A query block's result: a split's partial softmax for the merge kernel, else the output
+    (and its attention mass) normalised."""
+    if SPLIT:
+        # this split's running max, normaliser and unnormalised output: the merge kernel's input
+        part = split.to(tl.int64) * stride_ps + offs_m.to(tl.int64)[:, None] * stride_pt + head * HEAD_DIM
+        tl.store(PART_ACC + part + offs_d[None, :], acc, mask=m_ok[:, None] & d_ok[None, :])
+        ml = split.to(tl.int64) * stride_ms + offs_m.to(tl.int64) * stride_mtq + head * 2
+        tl.store(PART_ML + ml, m_i, mask=m_ok)
+        tl.store(PART_ML + ml + 1, l_i, mask=m_ok)
+    else:
+        # Rows that saw no key at all get zeros (the torch reference gives NaN there).
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        o_ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+        if WITH_MASS:
+            mass_ptrs = MASS + offs_m.to(tl.int64)[:, None] * stride_mt + head * stride_mh + seg_cols[None, :]
+            tl.store(mass_ptrs, seg_acc / l_safe[:, None], mask=m_ok[:, None])
+
+
+@triton.jit
 def _selective_attention_kernel(
-    Q,
-    K,
-    V,
-    OUT,
-    QPOS,
-    KPOS,
-    SEG,
-    MASS,
-    PART_ACC,
-    PART_ML,
-    num_queries,
-    num_keys,
-    keys_per_split,
-    qk_scale,
-    window,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_mt,
-    stride_mh,
-    stride_ps,
-    stride_pt,
-    stride_ms,
-    stride_mtq,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    WITH_MASS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    Q, K, V, OUT, QPOS, KPOS, SEG, MASS, PART_ACC, PART_ML, num_queries, num_keys, keys_per_split, qk_scale,
+    window, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_mt, stride_mh, stride_ps, stride_pt, stride_ms, stride_mtq, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr, WITH_MASS: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -141,22 +131,9 @@ def _selective_attention_kernel(
                 seg_acc = seg_acc * alpha[:, None] + tl.dot(p, one_hot, input_precision="ieee")
             m_i = m_new
 
-    if SPLIT:
-        # this split's running max, normaliser and unnormalised output: the merge kernel's input
-        part = split.to(tl.int64) * stride_ps + offs_m.to(tl.int64)[:, None] * stride_pt + head * HEAD_DIM
-        tl.store(PART_ACC + part + offs_d[None, :], acc, mask=m_ok[:, None] & d_ok[None, :])
-        ml = split.to(tl.int64) * stride_ms + offs_m.to(tl.int64) * stride_mtq + head * 2
-        tl.store(PART_ML + ml, m_i, mask=m_ok)
-        tl.store(PART_ML + ml + 1, l_i, mask=m_ok)
-        return
-    # Rows that saw no key at all get zeros (the torch reference gives NaN there).
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    o_ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    if WITH_MASS:
-        mass_ptrs = MASS + offs_m.to(tl.int64)[:, None] * stride_mt + head * stride_mh + seg_cols[None, :]
-        tl.store(mass_ptrs, seg_acc / l_safe[:, None], mask=m_ok[:, None])
+    _store_queries(OUT, MASS, PART_ACC, PART_ML, acc, seg_acc, m_i, l_i, offs_m, offs_d, seg_cols, m_ok, d_ok, head,
+                   split, stride_ot, stride_oh, stride_mt, stride_mh, stride_ps, stride_pt, stride_ms, stride_mtq,
+                   HEAD_DIM, WITH_MASS, SPLIT)
 
 
 @triton.jit
@@ -227,6 +204,19 @@ def _default_blocks(head_dim: int) -> tuple[int, int]:
     return 64, (64 if head_dim <= 64 else 32)
 
 
+def _checked_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q [Tq, H, D], k/v [Tk, Hkv, D] of one dtype, GQA-compatible, each with a unit last stride."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError("expected q [Tq, H, D] and k, v [Tk, Hkv, D]")
+    if q.shape[1] % k.shape[1] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"bad GQA shapes: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError("q, k and v must share a dtype")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    check_device(q, k, v)
+    return q, k, v
+
+
 def selective_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -248,16 +238,9 @@ def selective_attention(
     `splits` divides the keys among that many programs per query block and head (None: chosen
     from the launch's size and the device's multiprocessors; mass is never split).
     """
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError("expected q [Tq, H, D] and k, v [Tk, Hkv, D]")
+    q, k, v = _checked_inputs(q, k, v)
     num_queries, heads, head_dim = q.shape
     num_keys, kv_heads, _ = k.shape
-    if heads % kv_heads or k.shape[2] != head_dim:
-        raise ValueError(f"bad GQA shapes: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError("q, k and v must share a dtype")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    check_device(q, k, v)
     with_mass = segment_ids is not None
     if with_mass and not 0 < num_segments <= MAX_MASS_SEGMENTS:
         raise ValueError(f"num_segments must be in 1..{MAX_MASS_SEGMENTS} for the Triton kernel")
@@ -292,64 +275,24 @@ def selective_attention(
         part_acc = part_ml = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
     grid = (query_blocks, heads, splits)
     _selective_attention_kernel[grid](
-        q,
-        k,
-        v,
-        out,
-        query_pos.to(device=q.device, dtype=torch.int64).contiguous(),
-        key_pos.to(device=q.device, dtype=torch.int64).contiguous(),
-        seg,
-        mass_heads,
-        part_acc,
-        part_ml,
-        num_queries,
-        num_keys,
-        keys_per_split,
-        scale * LOG2E,
-        int(sliding_window or 0),
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        mass_heads.stride(0),
-        mass_heads.stride(1),
-        part_acc.stride(0),
-        part_acc.stride(1),
-        part_ml.stride(0),
-        part_ml.stride(1),
-        GROUP=heads // kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_S=block_s,
-        HAS_WINDOW=sliding_window is not None,
-        WITH_MASS=with_mass,
-        SPLIT=splits > 1,
+        q, k, v, out, query_pos.to(device=q.device, dtype=torch.int64).contiguous(),
+        key_pos.to(device=q.device, dtype=torch.int64).contiguous(), seg, mass_heads, part_acc, part_ml,
+        num_queries, num_keys, keys_per_split, scale * LOG2E, int(sliding_window or 0), q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        mass_heads.stride(0), mass_heads.stride(1), part_acc.stride(0), part_acc.stride(1),
+        part_ml.stride(0), part_ml.stride(1), GROUP=heads // kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_S=block_s, HAS_WINDOW=sliding_window is not None, WITH_MASS=with_mass, SPLIT=splits > 1,
         DOT_FP32=dot_in_fp32(q.dtype),
         # fp32 inputs would otherwise run tf32 dots on GPU (10-bit mantissa) and miss the reference.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32"
     )
     if splits > 1:
         merge_splits_kernel[(num_queries, heads)](
-            part_acc,
-            part_ml,
-            out,
-            splits,
-            part_acc.stride(0),
-            part_acc.stride(1),
-            part_ml.stride(0),
-            part_ml.stride(1),
-            out.stride(0),
-            out.stride(1),
-            HEADS=heads,
-            HEAD_DIM=head_dim,
+            part_acc, part_ml, out, splits, part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
+            part_ml.stride(1), out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)),
+            BLOCK_SPLITS=max(2, triton.next_power_of_2(splits))
         )
     mass = mass_heads[:, :, :num_segments].mean(1) if with_mass else None
     return out, mass

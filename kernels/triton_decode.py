@@ -104,30 +104,10 @@ def _append_rows_kernel(
 
 @triton.jit
 def _decode_attention_kernel(
-    TABLE,
-    Q,
-    OUT,
-    PART_ACC,
-    PART_ML,
-    batch,
-    layer,
-    num_splits,
-    qk_scale,
-    stride_qb,
-    stride_ob,
-    stride_ps,
-    stride_pb,
-    stride_ms,
-    stride_mb,
-    GROUP: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    TABLE, Q, OUT, PART_ACC, PART_ML, batch, layer, num_splits, qk_scale, stride_qb, stride_ob, stride_ps,
+    stride_pb, stride_ms, stride_mb, GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr
 ):
     """Sequence b, KV head h, key slice s: the GQA group's queries over rows [start, position]
     of b's buffers in one online softmax (exp2 domain, fp32 statistics)."""
