@@ -8,6 +8,7 @@ those, so a caller never has to know which part a setting lives in.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -19,31 +20,71 @@ Convention = Literal["isolated", "after-prefix"]
 Precompute = Literal["in-place", "inline", "background"]
 
 FLAT = "flat"  # field metadata: the setting's flat keyword name, where it differs from the field's
+FLAG = "flag"  # field metadata: the setting's command-line flag (a Flag), where it has one
+
+# how a flag's text becomes the setting's value (engine_args maps each to an argparse type)
+Parse = Literal["text", "path", "non_negative", "whole", "positive", "temperature"]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A setting as every engine-running command takes it: written here once, with its help, so
+    the flags are generated from the config (engine_args.add_engine_arguments)."""
+
+    name: str  # "--ram-cache-gb"
+    help: str  # what it does; the default is appended from the field
+    parse: Parse = "text"
+    gib: bool = False  # the flag takes GiB, the setting holds bytes
+    negates: bool = False  # a setting on by default, which this flag turns off
+
+
+def setting(default: Any, flag: Flag | None = None, flat: str | None = None, factory: Any = None) -> Any:
+    """A config field with its flat keyword (where it differs from the field's name) and flag."""
+    metadata: dict[str, Any] = {}
+    if flat is not None:
+        metadata[FLAT] = flat
+    if flag is not None:
+        metadata[FLAG] = flag
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class StoreConfig:
     """The chunk store's tiers, and how the disk tier is read during a prefill."""
 
-    cache_dir: Path | None = None  # None -> $RAGCACHE_HOME/kv; disk tier off with disk=False
-    disk: bool = True
-    ram_bytes: int = field(default=2 << 30, metadata={FLAT: "ram_cache_bytes"})
-    # disk tier budget, least recently used files out first; 0 = unlimited
-    disk_bytes: int = field(default=20 << 30, metadata={FLAT: "disk_cache_bytes"})
-    prefetch: bool = True  # read disk-tier chunk KV layer by layer while earlier layers compute
-    # a Redis tier behind RAM and disk, shared by every sidecar given the same URL; None = off
-    redis_url: str | None = None
-    redis_ttl_s: float = 86400.0  # each Redis entry's time to live, refreshed on every hit
+    cache_dir: Path | None = setting(None, Flag("--cache-dir", "disk tier folder (default: $RAGCACHE_HOME/kv)",
+                                                parse="path"))
+    disk: bool = setting(True, Flag("--no-disk", "keep chunk KV in RAM only", negates=True))
+    ram_bytes: int = setting(2 << 30, Flag("--ram-cache-gb", "RAM tier capacity in GiB (on a GPU, device memory)",
+                                           parse="non_negative", gib=True), flat="ram_cache_bytes")
+    disk_bytes: int = setting(20 << 30, Flag("--disk-cache-gb", "disk tier budget in GiB, least recently used files "
+                                             "removed first (0 = unlimited)", parse="non_negative", gib=True),
+                              flat="disk_cache_bytes")
+    prefetch: bool = setting(True, Flag("--no-prefetch", "read disk-tier chunk KV whole before the prefill instead "
+                                        "of layer by layer during it", negates=True))
+    redis_url: str | None = setting(None, Flag(
+        "--redis-url", "a Redis tier behind RAM and disk, shared by every sidecar given the same URL, e.g. "
+        "redis://localhost:6379/0 (default: off)"))
+    redis_ttl_s: float = setting(86400.0, Flag("--redis-ttl", "seconds a Redis entry lives unused; every hit "
+                                               "refreshes it (0 = no expiry)", parse="non_negative"))
 
 
 @dataclass
 class ReuseConfig:
     """How chunk KV is computed, found and kept: misses, the CA-Table, the CP-Tree, Cache-Craft."""
 
-    convention: Convention = "isolated"
-    precompute: Precompute = "in-place"
+    convention: Convention = setting("isolated", Flag(
+        "--convention", "how `warm` and --precompute inline/background compute a chunk's KV: alone at position 0, "
+        "or right after the system prefix"))
+    precompute: Precompute = setting("in-place", Flag(
+        "--precompute", "in-place: a missed chunk is computed inside the request, as full prefill would, and its "
+        "KV kept for later requests; inline: computed alone first, then fused (a miss costs twice); background: "
+        "computed alone by a worker after the request"))
     ca_window: int = 1000  # CA-Table sliding window, in requests
-    prefix_tree: bool = True  # CP-Tree exact chunk-prefix reuse
+    prefix_tree: bool = setting(True, Flag("--no-prefix-tree", "turn off CP-Tree exact chunk-prefix reuse "
+                                           "(fusion only)", negates=True))
     promote_threshold: int = 2  # CA-Table count every chunk of a path needs before it is stored
     # the same for a chunk fusion already holds, where a node costs a full compute of the chunk
     # instead of a fused one; None: never (promoting turns reusable chunk reads into full
@@ -52,7 +93,10 @@ class ReuseConfig:
     # the attention temperature on reused chunk KV (tempT, APE) for a policy that names none:
     # "auto" = the T fitted for this model and policy family (calibration.py; 1 where none was
     # fitted), "off" = 1, or one number > 0 for every policy that fuses
-    fused_temperature: str | float = "auto"
+    fused_temperature: str | float = setting("auto", Flag(
+        "--fused-temperature", "attention temperature on reused chunk KV for a --policy without :tempT: auto = the "
+        "T fitted for this model and policy family (`ragcache calibrate-temperature --save`; the default SmolLM2 "
+        "ships cacheblend's), off = 1, or one number > 0 for every fusing policy", parse="temperature"))
     cachecraft_variants_per_chunk: int = 4  # Cache-Craft's M
     cachecraft_max_chunks: int = 1024  # Cache-Craft's N: N * M variants in all
 
@@ -61,34 +105,41 @@ class ReuseConfig:
 class ConversationConfig:
     """Kept conversation histories and their bounds."""
 
-    dedup: bool = field(default=True, metadata={FLAT: "conversation_dedup"})  # drop chunks it holds from the next turn
-    ttl_s: float = field(default=900.0, metadata={FLAT: "conversation_ttl_s"})
-    max_tokens: int = field(default=6144, metadata={FLAT: "conversation_max_tokens"})
-    # kept conversations, least recently used out first
-    max_count: int = field(default=64, metadata={FLAT: "conversation_max_count"})
-    # all kept histories' KV together, apart from the store's RAM tier
-    ram_bytes: int = field(default=512 << 20, metadata={FLAT: "conversation_ram_bytes"})
+    dedup: bool = setting(True, flat="conversation_dedup")  # drop chunks it holds from the next turn
+    ttl_s: float = setting(900.0, flat="conversation_ttl_s")
+    max_tokens: int = setting(6144, flat="conversation_max_tokens")
+    max_count: int = setting(64, Flag("--conversations", "conversations whose KV is kept for their next turn, least "
+                                      "recently used out first (0 keeps none)", parse="whole"),
+                             flat="conversation_max_count")
+    ram_bytes: int = setting(512 << 20, Flag("--conversation-ram-gb", "RAM for all kept conversations' KV "
+                                             "together, apart from --ram-cache-gb", parse="non_negative", gib=True),
+                             flat="conversation_ram_bytes")
 
 
 @dataclass
 class BatchingConfig:
     """How many sequences the scheduler runs together."""
 
-    max_batch: int = 16  # sequences decoded together in one batched step
-    # KV of the running sequences together (prompt + max_tokens each)
-    kv_bytes: int = field(default=4 << 30, metadata={FLAT: "batch_kv_bytes"})
+    max_batch: int = setting(16, Flag("--max-batch", "requests decoded together in one batched step (1 serves one "
+                                      "at a time)", parse="positive"))
+    kv_bytes: int = setting(4 << 30, Flag("--batch-kv-gb", "KV of the running requests together, prompt + "
+                                          "max_tokens each; a request that does not fit waits (one always runs)",
+                                          parse="non_negative", gib=True), flat="batch_kv_bytes")
 
 
 @dataclass
 class EngineConfig:
-    model: str = "default"
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: int | None = None
-    store: StoreConfig = field(default_factory=StoreConfig)
-    reuse: ReuseConfig = field(default_factory=ReuseConfig)
-    conversations: ConversationConfig = field(default_factory=ConversationConfig)
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    model: str = setting("default", Flag("--model", "'default' (SmolLM2-135M-Instruct, prepared on first use) or "
+                                         "a local HF model folder"))
+    device: str = setting("auto", Flag("--device", "auto | cpu | cuda"))
+    dtype: str = setting("auto", Flag("--dtype", "auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on "
+                                      "GPU)"))
+    threads: int | None = setting(None, Flag("--threads", "torch CPU threads (default: torch's choice)",
+                                             parse="positive"))
+    store: StoreConfig = setting(None, factory=StoreConfig)
+    reuse: ReuseConfig = setting(None, factory=ReuseConfig)
+    conversations: ConversationConfig = setting(None, factory=ConversationConfig)
+    batching: BatchingConfig = setting(None, factory=BatchingConfig)
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -124,4 +175,29 @@ def flat_options() -> dict[str, tuple[str | None, str]]:
             continue
         for sub in dataclasses.fields(part_types[f.name]):
             out[sub.metadata.get(FLAT, sub.name)] = (f.name, sub.name)
+    return out
+
+
+@dataclass(frozen=True)
+class FlagSetting:
+    flat: str  # the setting's flat keyword
+    field: dataclasses.Field
+    flag: Flag
+    choices: tuple[str, ...]  # the values a Literal-typed setting allows; () for any
+
+
+def flags() -> list[FlagSetting]:
+    """Every setting that has a flag, in the config's order."""
+    out = []
+    where = {spot: name for name, spot in flat_options().items()}
+    part_types = parts()
+    for top in dataclasses.fields(EngineConfig):
+        owner = part_types.get(top.name, EngineConfig)
+        hints = typing.get_type_hints(owner)
+        for f in dataclasses.fields(owner) if owner is not EngineConfig else (top,):
+            if FLAG in f.metadata:
+                hint = hints[f.name]
+                choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+                out.append(FlagSetting(where[(top.name if owner is not EngineConfig else None, f.name)], f,
+                                       f.metadata[FLAG], choices))
     return out

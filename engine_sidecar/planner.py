@@ -93,6 +93,30 @@ def edge_digests(segments: list[Segment]) -> list[str]:
     return digests
 
 
+@dataclass(frozen=True)
+class _ChunkRequest:
+    """What every chunk of one request is planned against."""
+
+    prefix: Segment
+    policy: Policy
+    tenant: str
+    chunk_segs: list[Segment]
+    digests: list[str]  # token digest of each chunk
+
+
+@dataclass
+class _TreeWalk:
+    """Where the walk over a request's chunks stands on the CP-Tree: the matched path, the node a
+    promoted chunk hangs under, and whether all KV so far is exact and on the tree (only then may
+    the next chunk become a node)."""
+
+    root: str | None
+    edges: list[str]  # edge digest of each chunk
+    path: list[CPNode]
+    parent: CPNode | None
+    extending: bool
+
+
 class Planner:
     def __init__(self, state: PlanningState):
         self.state = state
@@ -184,19 +208,15 @@ class Planner:
     def _chunks_and_question(self, out: PlannedRequest, segments: list[Segment], pos: int, prefix: Segment,
                              policy: Policy, tenant: str, prompt: ChunkedPrompt, tree_root: str | None,
                              chain_root: str | None = None) -> None:
-        engine = self.state
+        """The spans after the prefix or history, in order: each chunk as `_plan_chunk` decides,
+        the text between chunks and the question fresh."""
         chunk_segs = [s for s in segments if s.kind == "chunk"]
         out.chunk_ids = [s.chunk_id or "" for s in chunk_segs]
         digests = [segment_digest(s) for s in chunk_segs]
         out.chunk_digests = digests
-        tree_digests = edge_digests(segments)
-        path: list[CPNode] = []
-        parent: CPNode | None = None
-        if tree_root is not None:
-            path = engine.cptree.match(tree_root, tree_digests, tenant)
-            parent = path[-1] if path else None  # None: the root, created when a node is committed
+        request = _ChunkRequest(prefix, policy, tenant, chunk_segs, digests)
+        walk = self._tree_walk(segments, tree_root, tenant)
         chunk_index = 0
-        extending = tree_root is not None  # still contiguous with exact KV before us
         # digest of every token before `pos` while all of their KV is exact (reused at the
         # positions it was computed at, or computed here in full); None after a fused span
         chain = chain_root
@@ -206,62 +226,88 @@ class Planner:
             if chain is not None:
                 chain = chain_digest(chain, token_ids_digest(seg.token_ids))
             if seg.kind == "chunk":
-                i = chunk_index
+                self._plan_chunk(out, span, seg, chunk_index, chain_before, walk, request)
                 chunk_index += 1
-                if i < len(path):
-                    span.cached = engine.lookup(self.node_key(path[i]))
-                    if span.cached is not None:
-                        span.mode = "exact"
-                        out.hits += 1
-                        out.plan.spans.append(span)
-                        pos = span.end
-                        continue
-                    extending = False  # evicted between match and lookup: fall back below
-                # one read of the chunk's in-context entry serves the exact check and fusion below
-                peeked = self._in_place_entry(seg, tenant, policy)
-                if chain_before is not None and peeked is not None and peeked.meta.get("chain") == chain_before:
-                    span.cached, span.mode = peeked, "exact"
-                    out.hits += 1
-                    # (the tree cannot grow past a chunk it does not hold: later chunks fuse or miss)
-                    extending = False
-                    out.plan.spans.append(span)
-                    pos = span.end
-                    continue
-                # A chunk computed with full attention anyway (exact-reuse policies, or a fusion
-                # miss) becomes a node for free; a chunk fusion could reuse costs a full compute
-                # of the chunk instead, so it waits for a higher access count.
-                fusable = policy.fuses and (isinstance(policy, CacheCraftPolicy)
-                                            or self._fusable(seg, prefix, tenant))
-                reuse = engine.config.reuse
-                threshold = reuse.fusion_promote_threshold if fusable else reuse.promote_threshold
-                if (extending and tree_root is not None and threshold is not None
-                        and self._promotable(chunk_segs[: i + 1], threshold, tenant)):
-                    # computed with full attention after exact KV: exact, so it becomes a node
-                    # (proposed here, inserted by the engine after the prefill stored its KV)
-                    node = engine.cptree.propose(parent, tree_root, tree_digests[i], seg.chunk_id, tenant)
-                    out.new_nodes.append((len(out.plan.spans), node))
-                    if policy.fuses and not fusable and not isinstance(policy, CacheCraftPolicy):
-                        # the same KV serves fusion when the chunk comes back elsewhere
-                        out.in_place.append((len(out.plan.spans), engine.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT),
-                                             chain_before))
-                    parent = node
-                    out.misses += 1
-                    out.plan.spans.append(span)
-                    pos = span.end
-                    if fusable:
-                        extending = False  # fusion policies extend the path by one reusable chunk per request
-                    continue
-                extending = False
-                if isinstance(policy, CacheCraftPolicy):
-                    self._craft(out, span, digests[i], tuple(digests[:i]), tenant, policy)
-                elif policy.uses_cache and policy.fuses:
-                    self._fuse_or_miss(out, span, seg, prefix, tenant, chain_before, peeked)
-                else:
-                    out.misses += int(policy.uses_cache)
             if span.mode == "fuse":
                 chain = None
             out.plan.spans.append(span)
             pos = span.end
+
+    def _tree_walk(self, segments: list[Segment], tree_root: str | None, tenant: str) -> _TreeWalk:
+        """The longest CP-Tree path over the leading chunks, where the walk starts from."""
+        edges = edge_digests(segments)
+        path = self.state.cptree.match(tree_root, edges, tenant) if tree_root is not None else []
+        # parent None: the root, created when a node is committed
+        return _TreeWalk(tree_root, edges, path, parent=path[-1] if path else None,
+                         extending=tree_root is not None)
+
+    def _plan_chunk(self, out: PlannedRequest, span: PlanSpan, seg: Segment, i: int, chain_before: str | None,
+                    walk: _TreeWalk, request: _ChunkRequest) -> None:
+        """Chunk `i`'s span, first that applies: exact KV from the tree path, exact KV computed in
+        place after the same exact KV, a promotion to a tree node, else what the policy does with
+        a chunk (Cache-Craft variant, fusion, or a miss)."""
+        if self._exact_on_path(out, span, i, walk):
+            return
+        policy, tenant = request.policy, request.tenant
+        # one read of the chunk's in-context entry serves the exact check and fusion below
+        peeked = self._in_place_entry(seg, tenant, policy)
+        if chain_before is not None and peeked is not None and peeked.meta.get("chain") == chain_before:
+            span.cached, span.mode = peeked, "exact"
+            out.hits += 1
+            # (the tree cannot grow past a chunk it does not hold: later chunks fuse or miss)
+            walk.extending = False
+            return
+        if self._promote(out, span, seg, i, chain_before, walk, request):
+            return
+        walk.extending = False
+        if isinstance(policy, CacheCraftPolicy):
+            self._craft(out, span, request.digests[i], tuple(request.digests[:i]), tenant, policy)
+        elif policy.uses_cache and policy.fuses:
+            self._fuse_or_miss(out, span, seg, request.prefix, tenant, chain_before, peeked)
+        else:
+            out.misses += int(policy.uses_cache)
+
+    def _exact_on_path(self, out: PlannedRequest, span: PlanSpan, i: int, walk: _TreeWalk) -> bool:
+        """Whether chunk `i` is on the matched tree path with its node's KV still stored."""
+        if i >= len(walk.path):
+            return False
+        span.cached = self.state.lookup(self.node_key(walk.path[i]))
+        if span.cached is None:
+            walk.extending = False  # evicted between match and lookup: fall back below
+            return False
+        span.mode = "exact"
+        out.hits += 1
+        return True
+
+    def _promote(self, out: PlannedRequest, span: PlanSpan, seg: Segment, i: int, chain_before: str | None,
+                 walk: _TreeWalk, request: _ChunkRequest) -> bool:
+        """Whether chunk `i` is computed with full attention right after exact KV and proposed as a
+        tree node."""
+        engine = self.state
+        policy, tenant = request.policy, request.tenant
+        # A chunk computed with full attention anyway (exact-reuse policies, or a fusion
+        # miss) becomes a node for free; a chunk fusion could reuse costs a full compute
+        # of the chunk instead, so it waits for a higher access count.
+        fusable = policy.fuses and (isinstance(policy, CacheCraftPolicy)
+                                    or self._fusable(seg, request.prefix, tenant))
+        reuse = engine.config.reuse
+        threshold = reuse.fusion_promote_threshold if fusable else reuse.promote_threshold
+        if not (walk.extending and walk.root is not None and threshold is not None
+                and self._promotable(request.chunk_segs[: i + 1], threshold, tenant)):
+            return False
+        # computed with full attention after exact KV: exact, so it becomes a node
+        # (proposed here, inserted by the engine after the prefill stored its KV)
+        node = engine.cptree.propose(walk.parent, walk.root, walk.edges[i], seg.chunk_id, tenant)
+        out.new_nodes.append((len(out.plan.spans), node))
+        if policy.fuses and not fusable and not isinstance(policy, CacheCraftPolicy):
+            # the same KV serves fusion when the chunk comes back elsewhere
+            out.in_place.append((len(out.plan.spans), engine.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT),
+                                 chain_before))
+        walk.parent = node
+        out.misses += 1
+        if fusable:
+            walk.extending = False  # fusion policies extend the path by one reusable chunk per request
+        return True
 
     def _in_place_entry(self, seg: Segment, tenant: str, policy: Policy) -> ChunkKV | None:
         """The chunk's KV computed in place by an earlier request (fusion policies only)."""

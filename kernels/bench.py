@@ -62,15 +62,55 @@ def _timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats:
     return statistics.median(times)
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """The tensors every op is timed on, drawn once from one seeded generator so runs compare."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    num_keys: int
+    num_queries: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    key_pos: torch.Tensor
+    query_idx: torch.Tensor
+    query_pos: torch.Tensor
+    segments: torch.Tensor
+    num_segments: int
+    inv_freq: torch.Tensor
+    k_new: torch.Tensor
+    buffer: torch.Tensor
+    recomputed: torch.Tensor
+    full_q: torch.Tensor  # a query for every token, (tokens, heads, head_dim): the dense causal peers
+    attn: str  # shape label of the attention ops
+    kv_shape: str  # shape label of the ops over the whole KV
+
+
+OpFactory = Callable[[str], Callable[[], object]]
+
+
 def run(args: argparse.Namespace) -> dict[str, object]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
+    kernels_timed = device.type == "cuda" and dispatch.triton_available()
+    impls = ["torch", "triton"] if kernels_timed else ["torch"]
+    x = _inputs(args, device, dtype)
+    rows = _op_rows(_ops(x), impls, device, args)
+    reference_attention = next(r.ms for r in rows if r.op == "selective_attention" and r.impl == "torch")
+    rows += _peer_rows(x, reference_attention, device, args)
+    if device.type == "cpu" and dtype in cpu_native.KERNELS and cpu_native.available(dtype):
+        rows += _native_rows(x.q, x.k, x.v, x.query_pos, x.key_pos, x.full_q, reference_attention, rows, args)
+    return _report(args, device, kernels_timed, rows)
+
+
+def _inputs(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> _Inputs:
+    """The model's attention shapes at `args.tokens` keys, `args.ratio` of them recomputed."""
     heads, kv_heads, head_dim, theta = MODELS[args.model]
     num_keys = args.tokens
     num_queries = max(1, round(args.ratio * num_keys))
     gen = torch.Generator().manual_seed(0)
-    kernels_timed = device.type == "cuda" and dispatch.triton_available()
-    impls = ["torch", "triton"] if kernels_timed else ["torch"]
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
@@ -78,7 +118,6 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     key_pos = torch.arange(num_keys, device=device)
     # Recompute-style queries: a scattered subset of the prompt's tokens, in position order.
     query_idx = torch.randperm(num_keys, generator=gen)[:num_queries].sort().values.to(device)
-    query_pos = key_pos[query_idx]
     q, k, v = (
         rand(num_queries, heads, head_dim),
         rand(num_keys, kv_heads, head_dim),
@@ -87,49 +126,80 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     chunk = max(1, num_keys // args.chunks)
     segments = segment_ids_from_boundaries(torch.arange(0, num_keys, chunk, device=device), num_keys)
     num_segments = int(segments.max()) + 1
-    inv_freq = inv_frequencies(head_dim, theta).to(device)
     k_new = k + 0.1 * rand(num_keys, kv_heads, head_dim)
-    buffer = torch.zeros(num_keys, kv_heads, head_dim, device=device, dtype=dtype)
-    recomputed = k[:num_queries]
-    attn = f"q={num_queries} k={num_keys} h={heads}/{kv_heads} d={head_dim}"
-    kv_shape = f"t={num_keys} h={kv_heads} d={head_dim}"
+    return _Inputs(
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        num_keys=num_keys,
+        num_queries=num_queries,
+        q=q,
+        k=k,
+        v=v,
+        key_pos=key_pos,
+        query_idx=query_idx,
+        query_pos=key_pos[query_idx],
+        segments=segments,
+        num_segments=num_segments,
+        inv_freq=inv_frequencies(head_dim, theta).to(device),
+        k_new=k_new,
+        buffer=torch.zeros(num_keys, kv_heads, head_dim, device=device, dtype=dtype),
+        recomputed=k[:num_queries],
+        full_q=rand(num_keys, heads, head_dim),
+        attn=f"q={num_queries} k={num_keys} h={heads}/{kv_heads} d={head_dim}",
+        kv_shape=f"t={num_keys} h={kv_heads} d={head_dim}",
+    )
 
-    ops: list[tuple[str, str, int, Callable[[str], Callable[[], object]]]] = [
+
+def _ops(x: _Inputs) -> list[tuple[str, str, int, OpFactory]]:
+    """Each op as (name, shape label, tokens per call, backend -> timed call)."""
+    return [
         (
             "rope_rotate",
-            kv_shape,
-            num_keys,
-            lambda b: lambda: dispatch.rotate_keys(k, key_pos, inv_freq, backend=b),
+            x.kv_shape,
+            x.num_keys,
+            lambda b: lambda: dispatch.rotate_keys(x.k, x.key_pos, x.inv_freq, backend=b),
         ),
         (
             "selective_attention",
-            attn,
-            num_queries,
-            lambda b: lambda: dispatch.selective_attention(q, k, v, query_pos, key_pos, backend=b),
+            x.attn,
+            x.num_queries,
+            lambda b: lambda: dispatch.selective_attention(x.q, x.k, x.v, x.query_pos, x.key_pos, backend=b),
         ),
         (
             "attention_with_mass",
-            attn + f" segs={num_segments}",
-            num_queries,
+            x.attn + f" segs={x.num_segments}",
+            x.num_queries,
             lambda b: (
                 lambda: dispatch.selective_attention_with_mass(
-                    q, k, v, query_pos, key_pos, segments, num_segments, backend=b
+                    x.q, x.k, x.v, x.query_pos, x.key_pos, x.segments, x.num_segments, backend=b
                 )
             ),
         ),
         (
             "kv_deviation_topk",
-            kv_shape,
-            num_keys,
-            lambda b: lambda: dispatch.kv_deviation_topk(k_new, k, k_new, k, num_queries, backend=b),
+            x.kv_shape,
+            x.num_keys,
+            lambda b: (
+                lambda: dispatch.kv_deviation_topk(x.k_new, x.k, x.k_new, x.k, x.num_queries, backend=b)
+            ),
         ),
         (
             "scatter_rows",
-            f"rows={num_queries} into {num_keys}",
-            num_queries,
-            lambda b: lambda: dispatch.scatter_rows(buffer, query_idx, recomputed, backend=b),
+            f"rows={x.num_queries} into {x.num_keys}",
+            x.num_queries,
+            lambda b: lambda: dispatch.scatter_rows(x.buffer, x.query_idx, x.recomputed, backend=b),
         ),
     ]
+
+
+def _op_rows(
+    ops: list[tuple[str, str, int, OpFactory]],
+    impls: list[str],
+    device: torch.device,
+    args: argparse.Namespace,
+) -> list[Row]:
+    """Every op on every backend, each row's speedup against the torch reference of that op."""
     rows: list[Row] = []
     for op, shape, tokens, make in ops:
         reference_ms = None
@@ -138,36 +208,41 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             reference_ms = ms if impl == "torch" else reference_ms
             speedup = reference_ms / ms if reference_ms else None
             rows.append(Row(op, impl, shape, tokens, ms, tokens / (ms / 1e3), speedup))
+    return rows
 
-    # Peers for attention: what one would do without a position-aware kernel.
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    gqa = heads != kv_heads
-    full_q = rand(num_keys, heads, head_dim).transpose(0, 1)[None]
+
+def _peer_rows(x: _Inputs, reference_ms: float, device: torch.device, args: argparse.Namespace) -> list[Row]:
+    """Peers for attention: what one would do without a position-aware kernel."""
+    qh, kh, vh = x.q.transpose(0, 1)[None], x.k.transpose(0, 1)[None], x.v.transpose(0, 1)[None]
+    gqa = x.heads != x.kv_heads
+    full_q = x.full_q.transpose(0, 1)[None]
     peers: list[tuple[str, str, int, Callable[[], object]]] = [
         (
             "sdpa_dense_causal_all_tokens",
-            f"q={num_keys} k={num_keys}",
-            num_keys,
+            f"q={x.num_keys} k={x.num_keys}",
+            x.num_keys,
             lambda: F.scaled_dot_product_attention(full_q, kh, vh, is_causal=True, enable_gqa=gqa),
         ),
         (
             "sdpa_no_mask_subset",
-            attn,
-            num_queries,
+            x.attn,
+            x.num_queries,
             lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=gqa),
         ),
     ]
-    reference_attention = next(r.ms for r in rows if r.op == "selective_attention" and r.impl == "torch")
+    rows: list[Row] = []
     for name, shape, tokens, fn in peers:
         ms = _timed(fn, device, args.warmup, args.repeats)
         rows.append(
-            Row("selective_attention", name, shape, tokens, ms, tokens / (ms / 1e3), reference_attention / ms)
+            Row("selective_attention", name, shape, tokens, ms, tokens / (ms / 1e3), reference_ms / ms)
         )
+    return rows
 
-    if device.type == "cpu" and dtype in cpu_native.KERNELS and cpu_native.available(dtype):
-        rows += _native_rows(q, k, v, query_pos, key_pos, full_q[0].transpose(0, 1), reference_attention,
-                             rows, args)
 
+def _report(
+    args: argparse.Namespace, device: torch.device, kernels_timed: bool, rows: list[Row]
+) -> dict[str, object]:
+    """The rows with what they were measured on, and a note saying which backends were timed."""
     if kernels_timed:
         note = "CUDA: Triton kernels and torch reference both timed"
     else:

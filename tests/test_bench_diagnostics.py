@@ -1,4 +1,4 @@
-"""Issue 16's diagnostics in `ragcache bench fidelity`: the oracle selection (bench only), the
+"""Fidelity diagnostics in `ragcache bench fidelity`: the oracle selection (bench only), the
 per-layer divergence report and the fp32/bf16 noise floor."""
 
 from __future__ import annotations
@@ -159,3 +159,13 @@ def test_oracle_and_noise_floor_refuse_follow_up(tiny_llama_dir, tmp_path):
          "--max-tokens", "2", "--follow-up"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
     assert proc.returncode != 0 and "follow-up" in proc.stderr
+
+
+def test_follow_up_with_one_question_is_one_line_error(tiny_llama_dir, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", "1", "--k", "3",
+         "--policies", "full,reuse", "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk",
+         "--max-tokens", "2", "--follow-up"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
+    assert proc.returncode != 0 and "at least two questions" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""`ragcache calibrate-temperature` (issue 16): the tempT spec it composes, the fit against KL
+"""`ragcache calibrate-temperature`: the tempT spec it composes, the fit against KL
 recomputed independently, the ratio-1.0 guard (nothing reused: every T is full prefill) and the
 command end to end on a tiny model, with its errors."""
 

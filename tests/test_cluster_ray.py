@@ -1,4 +1,4 @@
-"""Replicas on Ray Serve sharing chunk KV through Redis (issue 19), with real processes: one local
+"""Replicas on Ray Serve sharing chunk KV through Redis, with real processes: one local
 Ray per module (started once), a real `redis-server` on a free port, two tiny-model engine replicas
 (1 torch thread each) behind the chunk-affinity router at /, and two more behind round robin at /rr
 (round robin is how a test sends the same chunks to a replica that never computed them).

@@ -1,4 +1,4 @@
-"""The disk tier's bounds and faults (issue 15): a byte budget with LRU eviction over an index
+"""The disk tier's bounds and faults: a byte budget with LRU eviction over an index
 built once at start-up, crash leftovers removed, fsync before the rename, a writer that survives
 any failure, a flush that never blocks forever, a full disk, damaged files never served."""
 

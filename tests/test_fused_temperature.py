@@ -1,4 +1,4 @@
-"""The engine's default attention temperature (`fused_temperature`, issue 16): a T fitted for a
+"""The engine's default attention temperature (`fused_temperature`): a T fitted for a
 model and policy family is applied to requests whose policy names no tempT, and only to that
 family; the policy's own tempT wins; `--save` keeps a fit where the engine finds it; the fit
 shipped for the default SmolLM2 belongs to the weights `make model` prepares."""

@@ -1,4 +1,4 @@
-"""Misses computed in place (issue 14): a chunk without stored KV costs what full prefill pays for
+"""Misses computed in place: a chunk without stored KV costs what full prefill pays for
 it, once, and is kept for the next request. Counts of token-layers, never times."""
 
 from __future__ import annotations

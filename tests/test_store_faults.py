@@ -1,4 +1,4 @@
-"""Fault injection on the chunk store with the real engine (issue 15): a `ragcache serve` killed
+"""Fault injection on the chunk store with the real engine: a `ragcache serve` killed
 with SIGKILL while it writes chunk KV, then restarted on the same folder; bytes flipped in cache
 files; a full disk (a real 1 MiB tmpfs where this machine lets us mount one, else ENOSPC
 injected). Every case ends with answers equal to a fresh engine's and the fault counted."""

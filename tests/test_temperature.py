@@ -1,4 +1,4 @@
-"""`tempT` (APE-style attention temperature on the reused chunk KV, issue 16): the grammar, the
+"""`tempT` (APE-style attention temperature on the reused chunk KV): the grammar, the
 effect computed a second way (the same prefill over cached keys scaled by 1/T), the layer-wise
 loading path, recomputed rows untouched, and the ratio-1.0 guard."""
 

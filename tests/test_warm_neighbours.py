@@ -1,4 +1,4 @@
-"""Warming a chunk after its nearest passages (issue 16, context-conditioned chunk KV): which
+"""Warming a chunk after its nearest passages (context-conditioned chunk KV): which
 passages are chosen (TF-IDF worked by hand), that the stored KV is exactly what a request with
 those passages before the chunk computes, that fusion uses it and recompute ratio 1.0 still
 equals full prefill, and the errors a user can make."""

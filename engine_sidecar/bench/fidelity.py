@@ -13,6 +13,7 @@ import json
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +70,54 @@ def prepare_chunks(engine: Any, record: dict[str, Any], k: int, policies: list[s
                         {"max_tokens": 1}, policy="cachecraft")
 
 
+@dataclass(frozen=True)
+class _RunPlan:
+    """What one run measures, settled from the arguments before the engine loads (so a bad
+    argument fails fast)."""
+
+    records: list[dict[str, Any]]
+    start: int
+    policies: list[str]
+    sampling: SamplingParams
+    no_generate: bool
+    budget_s: float
+    started: float
+    partial: Path | None
+
+
+@dataclass
+class _Measuring:
+    """What the questions are measured with, beside the engine: transformers' model for its own
+    prefill time, the other-precision runner of the noise floor, and the neighbour index."""
+
+    engine: Any
+    hf_model: Any = None
+    noise: ModelRunner | None = None
+    noise_name: str | None = None
+    neighbours: tuple[int, Any] = (0, None)
+
+
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One `bench fidelity` run with a single chunk-KV mode: prints its table, writes its report
     with --json, and returns the report."""
-    from engine_sidecar.bench.datasets import load_dataset
     from engine_sidecar.engine_args import engine_from_args
 
     console = Console()
+    plan = _plan_run(args)
+    # Each question is asked once per policy: a CP-Tree would turn later policies' chunks into
+    # exact prefix hits and blur what each fusion policy does on its own.
+    args.no_prefix_tree = True
+    with engine_from_args(args) as engine:
+        measuring = _start_measuring(args, engine, plan.records, console)
+        rows = _measure_questions(args, plan, measuring, console)
+    return _report(args, plan, rows, measuring.noise_name, console)
+
+
+def _plan_run(args: argparse.Namespace) -> _RunPlan:
+    """The records and policies to measure, with every argument checked, and an empty
+    partial-results file started."""
+    from engine_sidecar.bench.datasets import load_dataset
+
     start = getattr(args, "start", 0)
     if args.n < 1 or args.k < 1 or start < 0:
         raise InvalidPromptError("--n and --k must be at least 1 and --start at least 0")
@@ -85,115 +127,148 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if "full" not in policies:
         policies.insert(0, "full")
-    sampling = SamplingParams(max_tokens=args.max_tokens)
     no_generate = bool(getattr(args, "no_generate", False))
-    budget_s = 60.0 * (getattr(args, "max_minutes", None) or 0.0)
-    started = time.perf_counter()
-    partial = args.json.with_suffix(".partial.jsonl") if args.json else None
-    if partial is not None:
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text("")
+    plan = _RunPlan(records=records, start=start, policies=policies,
+                    sampling=SamplingParams(max_tokens=args.max_tokens), no_generate=no_generate,
+                    budget_s=60.0 * (getattr(args, "max_minutes", None) or 0.0), started=time.perf_counter(),
+                    partial=args.json.with_suffix(".partial.jsonl") if args.json else None)
+    if plan.partial is not None:
+        plan.partial.parent.mkdir(parents=True, exist_ok=True)
+        plan.partial.write_text("")
     if no_generate and args.follow_up:
         raise InvalidPromptError("--no-generate measures along full prefill's answer: not available with --follow-up")
     if args.follow_up and (any(is_oracle(p) for p in policies) or getattr(args, "noise_floor", False)):
         raise InvalidPromptError("oracle policies and --noise-floor need full prefill of the measured prompt: "
                                  "not available with --follow-up")
-    # Each question is asked once per policy: a CP-Tree would turn later policies' chunks into
-    # exact prefix hits and blur what each fusion policy does on its own.
-    args.no_prefix_tree = True
-    rows: list[dict[str, Any]] = []
-    with engine_from_args(args) as engine:
-        hf_model = None
-        if not args.no_transformers:
-            from transformers import AutoModelForCausalLM
+    return plan
 
-            hf_model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.runner.dtype).eval()
-        if engine.prep.temperatures:
-            fitted = ", ".join(f"{name} T={t:g}" for name, t in sorted(engine.prep.temperatures.items()))
-            console.print(f"a policy without :temp<T> runs with this model's attention temperature ({fitted}; "
-                          "--fused-temperature off for none)", markup=False)
-        noise, noise_name = None, None
-        if getattr(args, "noise_floor", False):
-            # full prefill in the other precision: the same weights, no cache
-            other = "bfloat16" if engine.runner.dtype == torch.float32 else "float32"
-            noise = ModelRunner.load(engine.model_dir, device=str(engine.runner.device), dtype=other)
-            noise_name = f"full@{'bf16' if other == 'bfloat16' else 'fp32'}"
-        # first-request costs off the clock, on text outside the data set: a passage of the set
-        # would be stored in place here and reused exactly by its question
-        engine.generate(ChunkedPrompt(chunks=["A warm-up passage, not part of any record."], question="warm-up"),
-                        {"max_tokens": 2}, policy="full")
-        neighbours: tuple[int, Any] = (0, None)
-        if getattr(args, "chunk_kv", "precomputed") == "neighbours":
-            # the corpus: every passage of the measured records, not only the K each question uses
-            corpus = [text for rec in records for text in chunk_texts(rec, len(rec["ctxs"]))]
-            neighbours = (args.neighbours, neighbour_index(engine.builder, corpus))
-        for i, record in enumerate(track(records, description="answering", console=console)):
-            follow = records[i + 1] if args.follow_up and i + 1 < len(records) else None
-            if args.follow_up and follow is None:
-                break  # the last record has no next question to follow up with
-            if budget_s and rows and time.perf_counter() - started > budget_s:
-                console.print(f"--max-minutes reached after {len(rows)} questions")
-                break
-            for rec in (record, follow) if follow is not None else (record,):
-                prepare_chunks(engine, rec, args.k, policies, getattr(args, "chunk_kv", "precomputed"), neighbours)
-            prompt = ChunkedPrompt(chunks=chunk_texts(record, args.k), question=record["question"])
-            measured = follow or record
-            row: dict[str, Any] = {"index": start + i, "question": measured["question"],
-                                   "answers": measured.get("answers", []), "policies": {}}
-            reference = None
-            if follow is None:
-                # one full prefill on the engine's runner gives full's answer, the teacher-forced
-                # reference along it, the per-layer reference hidden states and the oracle's KV
-                reference = full_reference(engine, prompt, args.max_tokens)
-                row["policies"]["full"] = reference["row"]
-            for policy in policies:
-                if follow is None and (policy == "full" or no_generate):
-                    continue  # full: from full_reference; --no-generate: teacher-forced only
-                spec = make_policy(policy, reference)
-                if follow is None:
-                    result = engine.generate(prompt, sampling, policy=spec)
-                else:
-                    # a two-turn conversation under this policy; turn 2 (the next record's
-                    # question over its own passages) is measured
-                    conversation = f"fidelity-{i}-{policy}"
-                    engine.generate(prompt.model_copy(update={"conversation_id": conversation}), sampling,
-                                    policy=spec)
-                    result = engine.generate(ChunkedPrompt(chunks=chunk_texts(follow, args.k),
-                                                           question=follow["question"], conversation_id=conversation),
-                                             sampling, policy=spec)
-                row["policies"][policy] = {"text": result.text, "first_token": result.token_ids[:1],
-                                           "token_ids": result.token_ids,
-                                           "ttft_s": result.stats.ttft_s,
-                                           "computed_fraction": result.stats.computed_fraction,
-                                           "recompute_share": result.stats.tokens_recomputed / max(
-                                               1, result.stats.tokens_recomputed + result.stats.tokens_reused),
-                                           "prompt_tokens": result.stats.prefill_tokens_total,
-                                           **policy_details(spec)}
-            if reference is not None and (no_generate or not getattr(args, "no_teacher_forced", False)):
-                teacher_forced(engine, prompt, row, policies, reference, not getattr(args, "no_divergence", False))
-            if noise is not None and reference is not None:
-                noise_floor(noise, engine, prompt, row, reference, noise_name, args.max_tokens)
-            if hf_model is not None and follow is None:
-                ids = engine.builder.build(prompt).token_ids
-                row["transformers_prefill_s"] = _transformers_prefill_s(hf_model, ids)
-            rows.append(row)
-            if partial is not None:  # one line per question, so a stopped run keeps what it measured
-                with partial.open("a", encoding="utf-8") as fh:
-                    fh.write(json.dumps(row) + "\n")
+
+def _start_measuring(args: argparse.Namespace, engine: Any, records: list[dict[str, Any]],
+                     console: Console) -> _Measuring:
+    """Loads what the measurements need beside the engine and takes first-request costs off the
+    clock."""
+    measuring = _Measuring(engine)
+    if not args.no_transformers:
+        from transformers import AutoModelForCausalLM
+
+        measuring.hf_model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir),
+                                                                  dtype=engine.runner.dtype).eval()
+    if engine.prep.temperatures:
+        fitted = ", ".join(f"{name} T={t:g}" for name, t in sorted(engine.prep.temperatures.items()))
+        console.print(f"a policy without :temp<T> runs with this model's attention temperature ({fitted}; "
+                      "--fused-temperature off for none)", markup=False)
+    if getattr(args, "noise_floor", False):
+        # full prefill in the other precision: the same weights, no cache
+        other = "bfloat16" if engine.runner.dtype == torch.float32 else "float32"
+        measuring.noise = ModelRunner.load(engine.model_dir, device=str(engine.runner.device), dtype=other)
+        measuring.noise_name = f"full@{'bf16' if other == 'bfloat16' else 'fp32'}"
+    # first-request costs off the clock, on text outside the data set: a passage of the set
+    # would be stored in place here and reused exactly by its question
+    engine.generate(ChunkedPrompt(chunks=["A warm-up passage, not part of any record."], question="warm-up"),
+                    {"max_tokens": 2}, policy="full")
+    if getattr(args, "chunk_kv", "precomputed") == "neighbours":
+        # the corpus: every passage of the measured records, not only the K each question uses
+        corpus = [text for rec in records for text in chunk_texts(rec, len(rec["ctxs"]))]
+        measuring.neighbours = (args.neighbours, neighbour_index(engine.builder, corpus))
+    return measuring
+
+
+def _measure_questions(args: argparse.Namespace, plan: _RunPlan, measuring: _Measuring,
+                       console: Console) -> list[dict[str, Any]]:
+    """One row per question, each kept in the partial file as soon as it is measured, until the
+    records or --max-minutes run out."""
+    records = plan.records
+    rows: list[dict[str, Any]] = []
+    for i, record in enumerate(track(records, description="answering", console=console)):
+        follow = records[i + 1] if args.follow_up and i + 1 < len(records) else None
+        if args.follow_up and follow is None:
+            break  # the last record has no next question to follow up with
+        if plan.budget_s and rows and time.perf_counter() - plan.started > plan.budget_s:
+            console.print(f"--max-minutes reached after {len(rows)} questions")
+            break
+        row = _measure_question(args, plan, measuring, i, record, follow)
+        rows.append(row)
+        if plan.partial is not None:  # one line per question, so a stopped run keeps what it measured
+            with plan.partial.open("a", encoding="utf-8") as fh:
+                fh.write(json.dumps(row) + "\n")
+    return rows
+
+
+def _measure_question(args: argparse.Namespace, plan: _RunPlan, measuring: _Measuring, i: int,
+                      record: dict[str, Any], follow: dict[str, Any] | None) -> dict[str, Any]:
+    """Every policy on one question (with --follow-up: on the next record's question, asked as
+    turn 2 after this one), then the diagnostics measured along full prefill's answer."""
+    engine = measuring.engine
+    for rec in (record, follow) if follow is not None else (record,):
+        prepare_chunks(engine, rec, args.k, plan.policies, getattr(args, "chunk_kv", "precomputed"),
+                       measuring.neighbours)
+    prompt = ChunkedPrompt(chunks=chunk_texts(record, args.k), question=record["question"])
+    measured = follow or record
+    row: dict[str, Any] = {"index": plan.start + i, "question": measured["question"],
+                           "answers": measured.get("answers", []), "policies": {}}
+    reference = None
+    if follow is None:
+        # one full prefill on the engine's runner gives full's answer, the teacher-forced
+        # reference along it, the per-layer reference hidden states and the oracle's KV
+        reference = full_reference(engine, prompt, args.max_tokens)
+        row["policies"]["full"] = reference["row"]
+    for policy in plan.policies:
+        if follow is None and (policy == "full" or plan.no_generate):
+            continue  # full: from full_reference; --no-generate: teacher-forced only
+        spec = make_policy(policy, reference)
+        result = _generate(engine, prompt, follow, spec, plan.sampling, args.k, f"fidelity-{i}-{policy}")
+        row["policies"][policy] = _generated_entry(result, spec)
+    if reference is not None:
+        _diagnose(args, plan, measuring, prompt, row, reference)
+    return row
+
+
+def _generate(engine: Any, prompt: ChunkedPrompt, follow: dict[str, Any] | None, spec: str | Policy,
+              sampling: SamplingParams, k: int, conversation: str) -> Any:
+    """The measured generation under one policy: the prompt itself, or with a follow-up record a
+    two-turn conversation whose turn 2 (the next record's question over its own passages) is
+    measured."""
+    if follow is None:
+        return engine.generate(prompt, sampling, policy=spec)
+    engine.generate(prompt.model_copy(update={"conversation_id": conversation}), sampling, policy=spec)
+    return engine.generate(ChunkedPrompt(chunks=chunk_texts(follow, k), question=follow["question"],
+                                         conversation_id=conversation), sampling, policy=spec)
+
+
+def _generated_entry(result: Any, spec: str | Policy) -> dict[str, Any]:
+    """A generated answer's entry in the question's row; the policy object's own decisions are
+    read after the request that made them."""
+    stats = result.stats
+    return {"text": result.text, "first_token": result.token_ids[:1], "token_ids": result.token_ids,
+            "ttft_s": stats.ttft_s, "computed_fraction": stats.computed_fraction,
+            "recompute_share": stats.tokens_recomputed / max(1, stats.tokens_recomputed + stats.tokens_reused),
+            "prompt_tokens": stats.prefill_tokens_total, **policy_details(spec)}
+
+
+def _diagnose(args: argparse.Namespace, plan: _RunPlan, measuring: _Measuring, prompt: ChunkedPrompt,
+              row: dict[str, Any], reference: dict[str, Any]) -> None:
+    """What needs full prefill of the measured prompt: teacher-forced agreement and divergence,
+    the noise floor and transformers' prefill time."""
+    engine = measuring.engine
+    if plan.no_generate or not getattr(args, "no_teacher_forced", False):
+        divergence = not getattr(args, "no_divergence", False)
+        teacher_forced(engine, prompt, row, plan.policies, reference, divergence)
+    if measuring.noise is not None:
+        noise_floor(measuring.noise, engine, prompt, row, reference, measuring.noise_name, args.max_tokens)
+    if measuring.hf_model is not None:
+        ids = engine.builder.build(prompt).token_ids
+        row["transformers_prefill_s"] = _transformers_prefill_s(measuring.hf_model, ids)
+
+
+def _report(args: argparse.Namespace, plan: _RunPlan, rows: list[dict[str, Any]], noise_name: str | None,
+            console: Console) -> dict[str, Any]:
+    """Summarizes the rows, prints the table and, with --json, writes the report and its plot."""
+    policies = plan.policies
     measured = policies + [noise_name] if noise_name and rows and noise_name in rows[0]["policies"] else policies
-    summary = summarize(rows, measured, getattr(args, "baseline", BASELINE))
     if not rows:
         raise InvalidPromptError("--follow-up needs at least two questions (--n 2 or more)")
-    config = {"data": str(args.data), "n": len(rows), "k": args.k, "max_tokens": args.max_tokens,
-              "follow_up": bool(args.follow_up),
-              "model": str(args.model), "dtype": args.dtype, "device": args.device, "policies": policies,
-              "convention": args.convention, "chunk_kv": getattr(args, "chunk_kv", "precomputed"),
-              "neighbours": args.neighbours if getattr(args, "chunk_kv", "") == "neighbours" else None,
-              "noise_floor": noise_name, "generated": not no_generate, "n_requested": args.n, "start": start,
-              "max_minutes": getattr(args, "max_minutes", None)}
-    transformers_times = [r["transformers_prefill_s"] for r in rows if "transformers_prefill_s" in r]
-    if transformers_times:
-        config["transformers_prefill_median_s"] = statistics.median(transformers_times)
+    summary = summarize(rows, measured, getattr(args, "baseline", BASELINE))
+    config = _run_config(args, plan, rows, noise_name)
     table = markdown_table(summary, config)
     print(table)
     report = {"config": config, "policies": summary, "rows": rows}
@@ -202,6 +277,22 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         plot = scatter_plot(summary, config, args.json.with_suffix(".png"))
         console.print("wrote " + ", ".join(str(p) for p in [*written, *([plot] if plot else [])]))
     return report
+
+
+def _run_config(args: argparse.Namespace, plan: _RunPlan, rows: list[dict[str, Any]],
+                noise_name: str | None) -> dict[str, Any]:
+    """The report's config: what was asked for and what was measured, so runs can be paired."""
+    config = {"data": str(args.data), "n": len(rows), "k": args.k, "max_tokens": args.max_tokens,
+              "follow_up": bool(args.follow_up),
+              "model": str(args.model), "dtype": args.dtype, "device": args.device, "policies": plan.policies,
+              "convention": args.convention, "chunk_kv": getattr(args, "chunk_kv", "precomputed"),
+              "neighbours": args.neighbours if getattr(args, "chunk_kv", "") == "neighbours" else None,
+              "noise_floor": noise_name, "generated": not plan.no_generate, "n_requested": args.n,
+              "start": plan.start, "max_minutes": getattr(args, "max_minutes", None)}
+    transformers_times = [r["transformers_prefill_s"] for r in rows if "transformers_prefill_s" in r]
+    if transformers_times:
+        config["transformers_prefill_median_s"] = statistics.median(transformers_times)
+    return config
 
 
 def full_reference(engine: Any, prompt: ChunkedPrompt, max_tokens: int) -> dict[str, Any]:

@@ -174,12 +174,58 @@ def _median_ms_per_token(values: list[float], tokens: int) -> float | None:
     return statistics.median(values) * 1e3 / tokens if values else None
 
 
+@dataclass(frozen=True)
+class _Sweep:
+    """What a run measures: prompt lengths, dtypes and systems, as checked from the arguments."""
+
+    lengths: list[int]
+    dtypes: list[str]
+    systems: list[str]
+
+
 def run_prefill(args: argparse.Namespace) -> int:
-    from engine_sidecar.bench.vllm_peer import VLLM_ENV_HELP, find_vllm_python
+    """Times every system's prefill of the same prompts, dtype by dtype, and publishes the
+    medians with their ratios."""
     from engine_sidecar.model.prepare import resolve_model_dir
     from engine_sidecar.prompt import PromptBuilder
 
     console = Console()
+    sweep = _sweep(args)
+    model_dir = resolve_model_dir(args.model)
+    builder = PromptBuilder.load(model_dir)
+    texts, source = corpus_texts(args.data)
+    prompts = build_prompts(texts, builder.encode, sweep.lengths, args.repeats + args.warmup)
+    notes = [f"prompts: {args.repeats} per length from {source} (+{args.warmup} warm-up), real text, no template",
+             f"torch threads {torch_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')} "
+             "(inherited by the vLLM server)"]
+    systems, vllm_python = _available_systems(sweep.systems, args.vllm_python, notes, console)
+    if not systems:
+        raise InvalidPromptError("no system left to measure")
+
+    cells: dict[tuple[str, int, str], Cell] = {}
+    for dtype in sweep.dtypes:
+        console.print(f"[bold]{dtype}[/bold]: loading {', '.join(systems)}")
+        runners: dict[str, Any] = {}
+        try:
+            _load_systems(runners, systems, args, model_dir, dtype, max(sweep.lengths), vllm_python, console)
+            _time_prefills(cells, runners, systems, prompts, sweep.lengths, dtype, args, console)
+        finally:
+            for runner in runners.values():
+                runner.close()
+
+    rows = summarize(cells, sweep.dtypes, sweep.lengths, systems)
+    if "vllm" in systems:
+        notes.append(_vllm_note(rows))
+    config = args_config(args)
+    config.update({"model": str(model_dir), "source": source, "systems": systems, "notes": notes,
+                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "threads": torch_threads()})
+    publish(console, args.json, {"config": config, "rows": rows}, markdown_table(rows, notes))
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> _Sweep:
+    """The lengths, dtypes and systems asked for, checked before any model loads; --threads is
+    applied here so every system and note sees it."""
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     dtypes = [CANONICAL_DTYPES.get(d.strip(), d.strip()) for d in args.dtype.split(",") if d.strip()]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -195,71 +241,70 @@ def run_prefill(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    return _Sweep(lengths, dtypes, systems)
 
-    model_dir = resolve_model_dir(args.model)
-    builder = PromptBuilder.load(model_dir)
-    texts, source = corpus_texts(args.data)
-    prompts = build_prompts(texts, builder.encode, lengths, args.repeats + args.warmup)
-    notes = [f"prompts: {args.repeats} per length from {source} (+{args.warmup} warm-up), real text, no template",
-             f"torch threads {torch_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')} "
-             "(inherited by the vLLM server)"]
-    vllm_python = None
+
+def _available_systems(systems: list[str], vllm_python: Path | None, notes: list[str],
+                       console: Console) -> tuple[list[str], Path | None]:
+    """The systems that can run here, with the vLLM virtualenv's python: vLLM is skipped, with a
+    note, where no virtualenv is found."""
+    from engine_sidecar.bench.vllm_peer import VLLM_ENV_HELP, find_vllm_python
+
+    python = None
     if "vllm" in systems:
-        vllm_python = find_vllm_python(args.vllm_python)
-        if vllm_python is None:
+        python = find_vllm_python(vllm_python)
+        if python is None:
             notes.append(f"vLLM skipped: no vLLM virtualenv found; {VLLM_ENV_HELP}")
             console.print(f"[yellow]{notes[-1]}[/yellow]")
             systems = [s for s in systems if s != "vllm"]
-    if not systems:
-        raise InvalidPromptError("no system left to measure")
+    return systems, python
 
-    cells: dict[tuple[str, int, str], Cell] = {}
-    for dtype in dtypes:
-        console.print(f"[bold]{dtype}[/bold]: loading {', '.join(systems)}")
-        runners: dict[str, Any] = {}
-        try:
-            for name in systems:
-                if name in ("engine", "engine-sdpa"):
-                    runners[name] = (EngineSystem if name == "engine" else EngineSdpaSystem)(model_dir, dtype)
-                elif name == "transformers":
-                    runners[name] = TransformersSystem(model_dir, dtype)
-                else:
-                    log = Path(args.json or "bench-results/prefill.json").with_suffix(f".vllm-{dtype}.log")
-                    console.print(f"starting vLLM ({dtype}) from {vllm_python} (log: {log})")
-                    runners[name] = VllmSystem(vllm_python, model_dir, dtype, max(lengths) + 64, log)
-            total = (args.repeats + args.warmup) * len(lengths) * len(runners)
-            with Progress(console=console, transient=False) as progress:
-                task = progress.add_task(f"{dtype} prefills", total=total)
-                for rep in range(args.repeats + args.warmup):
-                    for n in lengths:
-                        ids = prompts[n][rep]
-                        order = systems[rep % len(systems):] + systems[: rep % len(systems)]
-                        for name in order:
-                            wall, server = runners[name].prefill(ids)
-                            progress.advance(task)
-                            if rep < args.warmup:
-                                continue
-                            cell = cells.setdefault((dtype, n, name), Cell())
-                            cell.wall_s.append(wall)
-                            if server is not None:
-                                cell.server_s.append(server)
-        finally:
-            for runner in runners.values():
-                runner.close()
 
-    rows = summarize(cells, dtypes, lengths, systems)
-    if "vllm" in systems:
-        if any(r.get("server_ms_per_token") for r in rows if r["system"] == "vllm"):
-            notes.append("vllm: wall = client time to the first streamed token (HTTP loopback, scheduling, one "
-                         "sampled token included); server = vLLM's own prefill time from /metrics")
+def _load_systems(runners: dict[str, Any], systems: list[str], args: argparse.Namespace, model_dir: Path,
+                  dtype: str, max_length: int, vllm_python: Path | None, console: Console) -> None:
+    """Loads every system in `dtype` into `runners` one by one, so the caller can close the ones
+    loaded when a later one fails."""
+    for name in systems:
+        if name in ("engine", "engine-sdpa"):
+            runners[name] = (EngineSystem if name == "engine" else EngineSdpaSystem)(model_dir, dtype)
+        elif name == "transformers":
+            runners[name] = TransformersSystem(model_dir, dtype)
         else:
-            notes.append("vllm: wall includes HTTP loopback, scheduling and one sampled token (the server's "
-                         "own prefill time was not obtainable from /metrics)")
-    config = args_config(args)
-    config.update({"model": str(model_dir), "source": source, "systems": systems, "notes": notes,
-                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "threads": torch_threads()})
-    publish(console, args.json, {"config": config, "rows": rows}, markdown_table(rows, notes))
-    return 0
+            log = Path(args.json or "bench-results/prefill.json").with_suffix(f".vllm-{dtype}.log")
+            console.print(f"starting vLLM ({dtype}) from {vllm_python} (log: {log})")
+            runners[name] = VllmSystem(vllm_python, model_dir, dtype, max_length + 64, log)
+
+
+def _time_prefills(cells: dict[tuple[str, int, str], Cell], runners: dict[str, Any], systems: list[str],
+                   prompts: dict[int, list[list[int]]], lengths: list[int], dtype: str,
+                   args: argparse.Namespace, console: Console) -> None:
+    """Every prompt on every system, interleaved per repetition in a rotating order so machine
+    noise hits them alike; the warm-up repetitions are run but not kept."""
+    total = (args.repeats + args.warmup) * len(lengths) * len(runners)
+    with Progress(console=console, transient=False) as progress:
+        task = progress.add_task(f"{dtype} prefills", total=total)
+        for rep in range(args.repeats + args.warmup):
+            for n in lengths:
+                ids = prompts[n][rep]
+                order = systems[rep % len(systems):] + systems[: rep % len(systems)]
+                for name in order:
+                    wall, server = runners[name].prefill(ids)
+                    progress.advance(task)
+                    if rep < args.warmup:
+                        continue
+                    cell = cells.setdefault((dtype, n, name), Cell())
+                    cell.wall_s.append(wall)
+                    if server is not None:
+                        cell.server_s.append(server)
+
+
+def _vllm_note(rows: list[dict[str, Any]]) -> str:
+    """What vLLM's wall time includes, and whether its server-side prefill time is beside it."""
+    if any(r.get("server_ms_per_token") for r in rows if r["system"] == "vllm"):
+        return ("vllm: wall = client time to the first streamed token (HTTP loopback, scheduling, one "
+                "sampled token included); server = vLLM's own prefill time from /metrics")
+    return ("vllm: wall includes HTTP loopback, scheduling and one sampled token (the server's "
+            "own prefill time was not obtainable from /metrics)")
 
 
 def summarize(cells: dict[tuple[str, int, str], Cell], dtypes: list[str], lengths: list[int],

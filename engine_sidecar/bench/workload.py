@@ -24,6 +24,7 @@ from rich.progress import track
 from engine_sidecar.bench.metrics import rouge_l
 from engine_sidecar.bench.report import args_config, publish
 from engine_sidecar.bench.stream import (
+    Corpus,
     Request,
     build_document_stream,
     build_stream,
@@ -84,82 +85,31 @@ def prompt_for(corpus_passages: dict[str, str], request: Request, system: str) -
 
 
 def run_workload(args: argparse.Namespace) -> int:
+    """Replays one request stream against every system, each request on all of them in turn,
+    and publishes their TTFT, computed share and chunk hits side by side."""
     console = Console()
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in ALL_SYSTEMS]
-    if unknown:
-        raise InvalidPromptError(f"unknown systems {unknown}: choose from {', '.join(ALL_SYSTEMS)}")
-    if args.requests < 1 or args.k < 1 or args.cold < 0:
-        raise InvalidPromptError("--requests and --k must be at least 1 and --cold at least 0")
-    args.cold = min(args.cold, args.requests)
-    corpus = load_corpus(args.corpus)
-    if not corpus.questions:
-        raise InvalidPromptError(f"{args.corpus}: no records with a question")
-    console.print(f"corpus: {len(corpus.passages)} passages, {len(corpus.questions)} questions; "
-                  f"building a '{args.stream}' stream")
-    if args.stream == "documents":
-        stream = build_document_stream(corpus, args.requests, args.k, args.documents, args.seed)
-    else:
-        stream = build_stream(corpus, args.requests, args.k, args.zipf, args.turns, args.conversation_share,
-                              args.question_pool, args.seed)
+    systems = _systems(args)
+    corpus, stream = _corpus_and_stream(args, console)
     model_dir = resolve_model_dir(args.model)
     runner = ModelRunner.load(model_dir, device=args.device, dtype=args.dtype)
     builder = PromptBuilder.load(model_dir)
     logs: dict[str, SystemLog] = {s: SystemLog() for s in systems}
     engine_systems = [s for s in systems if not s.startswith("vllm")]
-    engines: dict[str, Engine] = {}
-    for system in engine_systems:
-        _, _, tree = engine_setup(system, args.ratio)
-        config = EngineConfig.from_options(model=str(model_dir), disk=False, prefix_tree=tree,
-                                           precompute=args.precompute,
-                                           ram_cache_bytes=int(args.ram_cache_gb * (1 << 30)))
-        engines[system] = Engine(runner, builder, ChunkStore(config.store.ram_bytes, None, runner.device), config,
-                                 model_dir)
-        engines[system].generate(ChunkedPrompt(question="warm up"), {"max_tokens": 1})
+    engines = _start_engines(engine_systems, args, runner, builder, model_dir)
     vllm_systems = [s for s in systems if s.startswith("vllm")]
-    vllm_note = None
-    python = find_vllm_python(args.vllm_python) if vllm_systems else None
-    if vllm_systems and python is None:
-        vllm_note = f"vLLM systems skipped: no vLLM virtualenv found; {VLLM_ENV_HELP}"
-        console.print(f"[yellow]{vllm_note}[/yellow]")
+    python, vllm_note = _find_vllm(vllm_systems, args.vllm_python, console)
+    if vllm_note is not None:
         for s in vllm_systems:
             logs.pop(s)
         vllm_systems = []
     with contextlib.ExitStack() as stack:
         replay = None
         if vllm_systems and python is not None:
-            log_path = Path(args.json or "workload.json").with_suffix(".vllm.log")
-            console.print(f"starting vLLM from {python} (log: {log_path})")
-            # Every request goes to every system in turn, so machine noise hits all alike. vLLM's
-            # engine loop spins while idle (over one core here), which would slow the engine
-            # systems beside it: it sleeps when idle and its OpenMP threads wait passively, as
-            # the engine's do (measured on these 2 cores: no slower for vLLM itself).
-            stats_path = None
-            connector = None
-            if any(system in CONNECTOR_SYSTEMS for system in vllm_systems):
-                stats_path = log_path.with_suffix(".ragcache-stats.jsonl")
-                stats_path.unlink(missing_ok=True)
-                connector = connector_config(args.ram_cache_gb, str(stats_path.resolve()))
-            server = stack.enter_context(VllmServer(
-                python, model_dir, args.dtype if args.dtype != "auto" else "float32", 8192, log_path,
-                env={"VLLM_SLEEP_WHEN_IDLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}, kv_transfer_config=connector))
-            server.complete(builder.encode("warm up"), 1, "warmup")
-            replay = VllmReplay(server, builder, corpus.passages, vllm_systems, args.max_tokens,
-                                f"cacheblend:{args.ratio}", stats_path)
+            replay = _start_vllm(stack, args, python, model_dir, builder, corpus.passages, vllm_systems,
+                                 console)
         for request in track(stream, description="requests (every system in turn)", console=console):
             for system in engine_systems:
-                policy, order, _ = engine_setup(system, args.ratio)
-                result = engines[system].generate(prompt_for(corpus.passages, request, system),
-                                                  {"max_tokens": args.max_tokens}, policy=policy, order=order)
-                log, s = logs[system], result.stats
-                log.ttft.append(s.ttft_s)
-                log.computed.append(s.computed_fraction)
-                log.hits += s.chunk_hits
-                log.lookups += sum(1 for span in s.plan if span["kind"] == "chunk")
-                log.orders.append([span["chunk_id"] for span in s.plan if span["kind"] == "chunk"])
-                log.answers.append(result.text)
-                log.prompt_tokens.append(s.prefill_tokens_total)
-                log.stage_times.append(dict(s.stage_times))
+                _replay_on_engine(engines[system], system, request, corpus.passages, args, logs[system])
             if replay is not None:
                 replay.step(request, logs)
     summary = summarize(logs, args.cold)
@@ -171,6 +121,105 @@ def run_workload(args: argparse.Namespace) -> int:
                                  "per_request": {name: log.rows() for name, log in logs.items()}},
             markdown_table(summary, config))
     return 0
+
+
+def _systems(args: argparse.Namespace) -> list[str]:
+    """The systems asked for, with the stream's arguments checked (and --cold capped at the
+    stream's length) before anything loads."""
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in ALL_SYSTEMS]
+    if unknown:
+        raise InvalidPromptError(f"unknown systems {unknown}: choose from {', '.join(ALL_SYSTEMS)}")
+    if args.requests < 1 or args.k < 1 or args.cold < 0:
+        raise InvalidPromptError("--requests and --k must be at least 1 and --cold at least 0")
+    args.cold = min(args.cold, args.requests)
+    return systems
+
+
+def _corpus_and_stream(args: argparse.Namespace, console: Console) -> tuple[Corpus, list[Request]]:
+    """The corpus and the request stream every system replays."""
+    corpus = load_corpus(args.corpus)
+    if not corpus.questions:
+        raise InvalidPromptError(f"{args.corpus}: no records with a question")
+    console.print(f"corpus: {len(corpus.passages)} passages, {len(corpus.questions)} questions; "
+                  f"building a '{args.stream}' stream")
+    if args.stream == "documents":
+        stream = build_document_stream(corpus, args.requests, args.k, args.documents, args.seed)
+    else:
+        stream = build_stream(corpus, args.requests, args.k, args.zipf, args.turns, args.conversation_share,
+                              args.question_pool, args.seed)
+    return corpus, stream
+
+
+def _start_engines(systems: list[str], args: argparse.Namespace, runner: ModelRunner, builder: PromptBuilder,
+                   model_dir: Path) -> dict[str, Engine]:
+    """One engine per engine system, each with its own cache over the one shared model, warmed up
+    so no system pays first-request costs inside the stream."""
+    engines: dict[str, Engine] = {}
+    for system in systems:
+        _, _, tree = engine_setup(system, args.ratio)
+        config = EngineConfig.from_options(model=str(model_dir), disk=False, prefix_tree=tree,
+                                           precompute=args.precompute,
+                                           ram_cache_bytes=int(args.ram_cache_gb * (1 << 30)))
+        engines[system] = Engine(runner, builder, ChunkStore(config.store.ram_bytes, None, runner.device), config,
+                                 model_dir)
+        engines[system].generate(ChunkedPrompt(question="warm up"), {"max_tokens": 1})
+    return engines
+
+
+def _find_vllm(vllm_systems: list[str], vllm_python: Path | None,
+               console: Console) -> tuple[Path | None, str | None]:
+    """The vLLM virtualenv's python when vLLM systems were asked for, or the note saying why
+    they are skipped."""
+    python = find_vllm_python(vllm_python) if vllm_systems else None
+    if vllm_systems and python is None:
+        note = f"vLLM systems skipped: no vLLM virtualenv found; {VLLM_ENV_HELP}"
+        console.print(f"[yellow]{note}[/yellow]")
+        return None, note
+    return python, None
+
+
+def _start_vllm(stack: contextlib.ExitStack, args: argparse.Namespace, python: Path, model_dir: Path,
+                builder: PromptBuilder, passages: dict[str, str], vllm_systems: list[str],
+                console: Console) -> VllmReplay:
+    """One vLLM server for every vLLM system (stopped with `stack`), warmed up; with ragcache's
+    KV connector when a connector system is measured."""
+    log_path = Path(args.json or "workload.json").with_suffix(".vllm.log")
+    console.print(f"starting vLLM from {python} (log: {log_path})")
+    # Every request goes to every system in turn, so machine noise hits all alike. vLLM's
+    # engine loop spins while idle (over one core here), which would slow the engine
+    # systems beside it: it sleeps when idle and its OpenMP threads wait passively, as
+    # the engine's do (measured on these 2 cores: no slower for vLLM itself).
+    stats_path = None
+    connector = None
+    if any(system in CONNECTOR_SYSTEMS for system in vllm_systems):
+        stats_path = log_path.with_suffix(".ragcache-stats.jsonl")
+        stats_path.unlink(missing_ok=True)
+        connector = connector_config(args.ram_cache_gb, str(stats_path.resolve()))
+    server = stack.enter_context(VllmServer(
+        python, model_dir, args.dtype if args.dtype != "auto" else "float32", 8192, log_path,
+        env={"VLLM_SLEEP_WHEN_IDLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}, kv_transfer_config=connector))
+    server.complete(builder.encode("warm up"), 1, "warmup")
+    return VllmReplay(server, builder, passages, vllm_systems, args.max_tokens, f"cacheblend:{args.ratio}",
+                      stats_path)
+
+
+def _replay_on_engine(engine: Engine, system: str, request: Request, passages: dict[str, str],
+                      args: argparse.Namespace, log: SystemLog) -> None:
+    """One request on one engine system, logged: TTFT, computed share, chunk hits, the chunk
+    order it prefilled, the answer, prompt tokens and stage times."""
+    policy, order, _ = engine_setup(system, args.ratio)
+    result = engine.generate(prompt_for(passages, request, system), {"max_tokens": args.max_tokens},
+                             policy=policy, order=order)
+    s = result.stats
+    log.ttft.append(s.ttft_s)
+    log.computed.append(s.computed_fraction)
+    log.hits += s.chunk_hits
+    log.lookups += sum(1 for span in s.plan if span["kind"] == "chunk")
+    log.orders.append([span["chunk_id"] for span in s.plan if span["kind"] == "chunk"])
+    log.answers.append(result.text)
+    log.prompt_tokens.append(s.prefill_tokens_total)
+    log.stage_times.append(dict(s.stage_times))
 
 
 class VllmReplay:

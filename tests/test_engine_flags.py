@@ -1,0 +1,83 @@
+"""The engine flags are generated from EngineConfig: each flag belongs to one setting, its default
+is the setting's, and a value given on the command line reaches that setting and no other."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from engine_sidecar.engine_args import add_engine_arguments, engine_options
+from engine_sidecar.engine_config import EngineConfig, flags
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_arguments(parser)
+    return parser
+
+
+def _settings(config: EngineConfig) -> dict[str, object]:
+    out = {}
+    for top in dataclasses.fields(config):
+        value = getattr(config, top.name)
+        if dataclasses.is_dataclass(value):
+            out.update({f"{top.name}.{k}": v for k, v in dataclasses.asdict(value).items()})
+        else:
+            out[top.name] = value
+    return out
+
+
+def test_the_parser_has_exactly_the_configs_flags():
+    options = {opt for action in _parser()._actions for opt in action.option_strings} - {"-h", "--help"}
+    assert options == {s.flag.name for s in flags()}
+    assert len(flags()) == len(options)  # no two settings share a flag
+
+
+def test_no_flags_give_the_configs_defaults():
+    assert EngineConfig.from_options(**engine_options(_parser().parse_args([]))) == EngineConfig()
+
+
+def _a_value(setting) -> tuple[list[str], object]:
+    """Command-line words that set `setting` to something other than its default, and that value."""
+    flag, default = setting.flag, setting.field.default
+    if flag.negates:
+        return [flag.name], not default
+    if flag.gib:
+        return [flag.name, "0.25"], 1 << 28
+    if setting.choices:
+        other = next(c for c in setting.choices if c != default)
+        return [flag.name, other], other
+    return {
+        "positive": ([flag.name, "3"], 3),
+        "whole": ([flag.name, "0"], 0),
+        "non_negative": ([flag.name, "7.5"], 7.5),
+        "temperature": ([flag.name, "off"], "off"),
+        "path": ([flag.name, "/tmp/kv-elsewhere"], Path("/tmp/kv-elsewhere")),
+        "text": ([flag.name, "given-on-the-command-line"], "given-on-the-command-line"),
+    }[flag.parse]
+
+
+@pytest.mark.parametrize("setting", flags(), ids=lambda s: s.flag.name)
+def test_a_flag_reaches_its_setting_and_no_other(setting):
+    words, value = _a_value(setting)
+    config = EngineConfig.from_options(**engine_options(_parser().parse_args(words)))
+    changed = {k: v for k, v in _settings(config).items() if _settings(EngineConfig())[k] != v}
+    assert list(changed.values()) == [value], (words, changed)
+
+
+def test_help_comes_from_the_config_with_the_default():
+    help_text = {a.option_strings[0]: a.help for a in _parser()._actions}
+    for setting in flags():
+        assert help_text[setting.flag.name].startswith(setting.flag.help)
+    assert help_text["--ram-cache-gb"].endswith("(default: 2)")
+    assert help_text["--max-batch"].endswith("(default: 16)")
+
+
+def test_a_bad_value_is_refused_by_the_parser():
+    with pytest.raises(argparse.ArgumentError, match="at least 1"):
+        _parser().parse_args(["--max-batch", "0"])
+    with pytest.raises(argparse.ArgumentError, match="invalid choice"):
+        _parser().parse_args(["--precompute", "sometimes"])
