@@ -9,8 +9,8 @@ import os
 # package.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-_EXPORTS = {"Engine": "engine_sidecar.engine", "EngineConfig": "engine_sidecar.engine_config",
-            "RagCacheError": "engine_sidecar.errors", "GenerationStream": "engine_sidecar.sequence"}
+_EXPORTS = {"Engine": "engine_sidecar.engine.engine", "EngineConfig": "engine_sidecar.engine_config",
+            "RagCacheError": "engine_sidecar.errors", "GenerationStream": "engine_sidecar.engine.sequence"}
 
 
 def __getattr__(name: str):

@@ -1,7 +1,7 @@
 """The engine flags every engine-running command shares, and the Engine they build.
 
 The flags are generated from EngineConfig (engine_config.py holds each setting's flag, help and
-default once). Kept below both `cli.py` and `bench/*` (and `demo.py`), which import it; the CLI
+default once). Kept below both `cli/` and `bench/` (and the demo), which import it; the CLI
 imports the benchmarks, so the benchmarks must not import the CLI. Standard library and the
 plain-data config only: the engine (torch) is imported when `engine_from_args` runs.
 """
@@ -47,7 +47,7 @@ def positive_int(text: str) -> int:
 
 
 def fused_temperature_arg(text: str) -> str | float:
-    from engine_sidecar.calibration import TemperatureSettingError, check_setting
+    from engine_sidecar.execution.calibration import TemperatureSettingError, check_setting
 
     try:
         return check_setting(text)
@@ -93,7 +93,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_from_args(args: argparse.Namespace):
-    from engine_sidecar.engine import Engine
+    from engine_sidecar.engine.engine import Engine
 
     options = engine_options(args)
     return Engine.from_pretrained(options.pop("model"), **options)

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from engine_sidecar.adaptive import CostMeter, golden_section_max, initial_ratio, measure_costs
+from engine_sidecar.bench.ratio_search import measure_costs
+from engine_sidecar.execution.costs import CostMeter, golden_section_max, initial_ratio
 
 
 @pytest.mark.parametrize("t_compute, t_load, expected", [
@@ -62,7 +63,7 @@ def test_measured_costs_are_positive_and_give_ratios_in_bounds(tiny_engine, tmp_
                                            (["--repeats", "0"], "--repeats, --n and --k must be at least 1, --max-evals at least 2"),
                                            (["--max-evals", "1"], "--repeats, --n and --k must be at least 1, --max-evals at least 2")])
 def test_calibrate_rejects_bad_options_in_one_line(argv, message):
-    from engine_sidecar.cli import main
+    from engine_sidecar.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["calibrate", *argv])
@@ -101,7 +102,7 @@ def test_auto_ratio_comes_from_the_engines_own_measurements(tiny_engine):
 def test_calibrate_refines_the_ratio_on_a_calibration_set(tiny_llama_dir, tmp_path):
     import json
 
-    from engine_sidecar.cli import main
+    from engine_sidecar.cli.main import main
 
     out = tmp_path / "calibration.json"
     assert main(["calibrate", "--model", str(tiny_llama_dir), "--no-disk", "--repeats", "1", "--data", "fanoutqa",

@@ -17,8 +17,8 @@ from engine_sidecar.bench.divergence import capture_last_hidden, full_pass, laye
 from engine_sidecar.bench.oracle_policy import OraclePolicy, kv_deviation
 from engine_sidecar.bench.policy_specs import fidelity_policy_list_arg, oracle_ratio
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.plan import FusionPlan, PlanSpan
-from engine_sidecar.policies import parse_policy
+from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+from engine_sidecar.execution.policies import parse_policy
 from engine_sidecar.store.entry import ChunkKV
 from ragcache_integrations.types import ChunkedPrompt
 

@@ -9,7 +9,7 @@ from engine_sidecar.bench.policy_specs import (
     default_fidelity_policies,
     fidelity_policy_list_arg,
 )
-from engine_sidecar.cli import build_parser
+from engine_sidecar.cli.main import build_parser
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, parse_policy_spec
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine_sidecar.bench.gpu import POLICIES
-from engine_sidecar.cli import main
+from engine_sidecar.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import json
 import os
 
 from engine_sidecar.bench.prefill import Cell, build_prompts, summarize
-from engine_sidecar.cli import main
+from engine_sidecar.cli.main import main
 
 
 def test_prompts_have_exact_lengths_and_differ_per_repetition():

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from engine_sidecar.cachecraft import (
+from engine_sidecar.execution.cachecraft import (
     Variant,
     VariantIndex,
     adjusted_overlap,
@@ -23,7 +23,7 @@ from engine_sidecar.cachecraft import (
     termination_layer,
     tokens_to_recompute,
 )
-from engine_sidecar.policies import CacheCraftPolicy, parse_policy
+from engine_sidecar.execution.policies import CacheCraftPolicy, parse_policy
 from engine_sidecar.store.entry import CacheKey
 
 
@@ -166,7 +166,7 @@ def test_variants_are_per_tenant(engine):
 
 def test_costly_fix_makes_a_new_variant_and_eviction_drops_the_old_kv(tiny_llama_dir):
     from engine_sidecar import Engine
-    from engine_sidecar.fingerprint import token_ids_digest
+    from engine_sidecar.request.fingerprint import token_ids_digest
     from ragcache_integrations.types import Chunk
 
     eng = Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", disk=False, prefix_tree=False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_sidecar.policies import CacheTunePolicy, frequency_scores, parse_policy
+from engine_sidecar.execution.policies import CacheTunePolicy, frequency_scores, parse_policy
 from ragcache_integrations import ChunkedPrompt
 
 PASSAGES = [

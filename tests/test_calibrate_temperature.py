@@ -10,7 +10,7 @@ import pytest
 
 from engine_sidecar.bench.fidelity import agreement_and_kl, full_reference
 from engine_sidecar.bench.temperature import fit_temperature, parse_temperatures, with_temperature
-from engine_sidecar.cli import main
+from engine_sidecar.cli.main import main
 from engine_sidecar.errors import InvalidPromptError
 from ragcache_integrations import ChunkedPrompt
 from ragcache_integrations.policy_registry import parse_policy_spec

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_sidecar.process import ServiceProcess
+from engine_sidecar.server.process import ServiceProcess
 from examples.chatbot import ingest
 from examples.chatbot.browser import chromium_path, drive
 

@@ -43,7 +43,7 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, redis_server):
-    from engine_sidecar.cli import build_parser
+    from engine_sidecar.cli.main import build_parser
     from engine_sidecar.cluster import ray_app
     from engine_sidecar.server.settings import ServerSettings
 

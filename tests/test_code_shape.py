@@ -16,7 +16,7 @@ MAX_LINES = 80
 # "path::qualname" -> why it may stay longer than MAX_LINES. An entry must still be too long:
 # a split function leaves the list.
 ALLOWED_LONG: dict[str, str] = {
-    "engine_sidecar/cli.py::build_parser": "an argument table",
+    "engine_sidecar/cli/main.py::build_parser": "an argument table",
 }
 
 # Built from parts so that this file does not match its own pattern.
@@ -54,7 +54,7 @@ def function_lengths() -> dict[str, int]:
 
 def test_the_walk_sees_the_code():
     lengths = function_lengths()
-    assert "engine_sidecar/planner.py::Planner.plan" in lengths
+    assert "engine_sidecar/reuse/planner.py::Planner.plan" in lengths
     assert len(lengths) > 500
 
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from engine_sidecar import Engine
-from engine_sidecar.policies import LayerView, PrefixPolicy
+from engine_sidecar.execution.policies import LayerView, PrefixPolicy
 from ragcache_integrations import ChunkedPrompt
 
 PASSAGES = [

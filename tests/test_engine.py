@@ -9,9 +9,9 @@ import torch
 
 from engine_sidecar import Engine
 from engine_sidecar.errors import InvalidPromptError, PromptTooLongError
-from engine_sidecar.executor import fused_prefill
-from engine_sidecar.plan import FusionPlan, PlanSpan
-from engine_sidecar.policies import ReusePolicy
+from engine_sidecar.execution.executor import fused_prefill
+from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+from engine_sidecar.execution.policies import ReusePolicy
 from engine_sidecar.store.entry import ChunkKV
 from ragcache_integrations import ChunkedPrompt
 from tests.conftest import make_tiny_model

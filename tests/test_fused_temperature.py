@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from engine_sidecar.calibration import (
+from engine_sidecar.engine.engine import Engine
+from engine_sidecar.execution.calibration import (
     KNOWN_FITS,
     TemperatureSettingError,
     check_setting,
@@ -21,8 +22,7 @@ from engine_sidecar.calibration import (
     save_fit,
     saved_fits_path,
 )
-from engine_sidecar.engine import Engine
-from engine_sidecar.fingerprint import weights_fingerprint
+from engine_sidecar.request.fingerprint import weights_fingerprint
 from ragcache_integrations import ChunkedPrompt
 from tests.policy_prompt import PASSAGES, QUESTION
 

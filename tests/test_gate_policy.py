@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.policies import GatePolicy, ProphetPolicy, parse_policy, span_masks
-from engine_sidecar.prophet import first_token_margin, probe
+from engine_sidecar.execution.policies import GatePolicy, ProphetPolicy, parse_policy, span_masks
+from engine_sidecar.execution.prophet import first_token_margin, probe
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
 from tests.policy_prompt import PASSAGES, PROMPT, QUESTION
 
@@ -112,7 +112,7 @@ def test_threshold_above_one_always_escalates_to_prophets_selection(tiny_engine)
 
 def test_the_probe_is_invisible_to_the_benchs_per_layer_capture(tiny_engine):
     from engine_sidecar.bench.divergence import capture_last_hidden
-    from engine_sidecar.executor import fused_prefill
+    from engine_sidecar.execution.executor import fused_prefill
 
     tiny_engine.warm(PASSAGES)
     plan = _plan(tiny_engine, "reuse")

@@ -10,8 +10,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine_sidecar", "ragcache_integrations")
-TOOLS = ("engine_sidecar.bench", "engine_sidecar.cli", "engine_sidecar.demo", "engine_sidecar.server",
-         "engine_sidecar.engine_args", "engine_sidecar.adaptive")
+TOOLS = ("engine_sidecar.bench", "engine_sidecar.cli", "engine_sidecar.server", "engine_sidecar.engine_args")
+# The request's stages, lowest first: a module imports only from its own layer or one below (lazy
+# and type-only imports count). docs/architecture.md walks a request through them in this order.
+LAYERS = (
+    ("engine_sidecar", "engine_sidecar.errors", "engine_sidecar.paths", "engine_sidecar.engine_config"),
+    ("engine_sidecar.model",),
+    ("engine_sidecar.store",),
+    ("engine_sidecar.request",),
+    ("engine_sidecar.execution",),
+    ("engine_sidecar.reuse",),
+    ("engine_sidecar.engine",),
+    ("engine_sidecar.engine_args",),
+    ("engine_sidecar.server",),
+    ("engine_sidecar.vllm_backend",),
+    ("engine_sidecar.cluster",),
+    ("engine_sidecar.bench",),
+    ("engine_sidecar.cli",),
+)
 WIRE_TYPES = {"ragcache_integrations", "ragcache_integrations.types", "ragcache_integrations.api_models",
               "ragcache_integrations.policy_registry", "ragcache_integrations.access_table"}
 
@@ -70,6 +86,26 @@ def test_no_import_cycles():
 
     cycles = sorted(n for n in graph if not n.endswith("__init__") and n in reach(n))
     assert cycles == [], f"import cycles through {cycles}"
+
+
+def _layer(module: str) -> int:
+    """The index of the layer a module of engine_sidecar belongs to (its package's, or its own)."""
+    found = [i for i, layer in enumerate(LAYERS) for top in layer
+             if module == top or (top != "engine_sidecar" and module.startswith(top + "."))]
+    assert len(found) == 1, f"{module} is in {len(found)} layers: place it in exactly one"
+    return found[0]
+
+
+def test_engine_sidecar_has_few_top_level_modules():
+    top = sorted(p.name for p in (ROOT / "engine_sidecar").glob("*.py"))
+    assert len(top) <= 8, top
+
+
+def test_imports_only_go_down_the_layers():
+    graph = _graph()
+    upward = sorted(f"{name} -> {dep}" for name, deps in graph.items() if name.startswith("engine_sidecar")
+                    for dep in deps if dep.startswith("engine_sidecar") and _layer(dep) > _layer(name))
+    assert upward == []
 
 
 def test_no_private_names_cross_modules():

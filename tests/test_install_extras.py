@@ -20,7 +20,7 @@ def _run(blocked: list[str], code: str) -> subprocess.CompletedProcess:
 
 
 def _cli(blocked: list[str], *argv: str) -> subprocess.CompletedProcess:
-    return _run(blocked, f"from engine_sidecar.entry import main\nraise SystemExit(main({list(argv)!r}))\n")
+    return _run(blocked, f"from engine_sidecar.cli.entry import main\nraise SystemExit(main({list(argv)!r}))\n")
 
 
 BASE_INSTALL = ["torch", "transformers", "fastapi", "uvicorn", "ray", "uhashring", "redis", "rich"]

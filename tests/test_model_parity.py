@@ -80,9 +80,9 @@ def test_smollm2_prefill_logits_match_transformers(smol_dir, smol_pair):
 
 
 def test_smollm2_greedy_decode_matches_transformers(smol_dir, smol_pair):
-    from engine_sidecar.executor import decode_step, fused_prefill
-    from engine_sidecar.plan import FusionPlan, PlanSpan
-    from engine_sidecar.policies import FullPolicy
+    from engine_sidecar.execution.executor import decode_step, fused_prefill
+    from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+    from engine_sidecar.execution.policies import FullPolicy
 
     reference, runner = smol_pair
     ids = _chat_ids(smol_dir, "Name three colours of the rainbow.")

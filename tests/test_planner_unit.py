@@ -8,15 +8,15 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine_sidecar.cachecraft import VariantIndex
-from engine_sidecar.conversation import ConversationStore
-from engine_sidecar.cptree import CPTree
 from engine_sidecar.engine_config import EngineConfig
-from engine_sidecar.keys import KeyFactory
-from engine_sidecar.planner import IN_CONTEXT, Planner
-from engine_sidecar.policies import parse_policy
-from engine_sidecar.prompt import PromptBuilder, Segment
-from engine_sidecar.reorder import ChunkAccessTable
+from engine_sidecar.execution.cachecraft import VariantIndex
+from engine_sidecar.execution.policies import parse_policy
+from engine_sidecar.request.keys import KeyFactory
+from engine_sidecar.request.prompt import PromptBuilder, Segment
+from engine_sidecar.request.reorder import ChunkAccessTable
+from engine_sidecar.reuse.conversation import ConversationStore
+from engine_sidecar.reuse.cptree import CPTree
+from engine_sidecar.reuse.planner import IN_CONTEXT, Planner
 from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.entry import CacheKey, ChunkKV
 from ragcache_integrations import Chunk, ChunkedPrompt
@@ -99,7 +99,7 @@ def test_token_digests_name_stored_kv_as_they_always_did():
     as int64 in machine order, whatever container the ids come in, however often it is asked."""
     import hashlib
 
-    from engine_sidecar.fingerprint import token_ids_digest
+    from engine_sidecar.request.fingerprint import token_ids_digest
 
     ids = [1, 255, 256, 49151, 2**31 - 1, 0]
     expected = hashlib.blake2b(torch.tensor(ids, dtype=torch.int64).numpy().tobytes(), digest_size=16).hexdigest()

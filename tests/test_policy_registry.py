@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from engine_sidecar.cli import build_parser, main
+from engine_sidecar.cli.main import build_parser, main
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.policies import Policy, parse_policy
+from engine_sidecar.execution.policies import Policy, parse_policy
 from engine_sidecar.server import ServerSettings, create_app
 from ragcache_integrations.policy_registry import (
     BY_NAME,
@@ -63,7 +63,7 @@ def test_parsed_arguments_reach_the_policy_objects():
 
 def test_registry_defaults_are_the_policy_classes_defaults():
     """A bare name and a Policy built without arguments must be the same policy."""
-    from engine_sidecar.policies import (
+    from engine_sidecar.execution.policies import (
         CacheBlendPolicy,
         CacheCraftPolicy,
         CacheTunePolicy,

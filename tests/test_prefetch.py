@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_sidecar import Engine
-from engine_sidecar.prefetch import preload_depth
+from engine_sidecar.execution.prefetch import preload_depth
 from engine_sidecar.store.disk import DamagedCacheFile, DiskTier
 from engine_sidecar.store.entry import ChunkKV
 
@@ -119,7 +119,7 @@ def test_probes_and_the_shared_prefill_meet_a_damaged_file_as_requests_do(tiny_l
 def test_bench_prefetch_measures_both_modes_cold(tiny_llama_dir, tmp_path):
     import json
 
-    from engine_sidecar.cli import main
+    from engine_sidecar.cli.main import main
 
     out = tmp_path / "prefetch.json"
     assert main(["bench", "prefetch", "--data", "fanoutqa", "--n", "2", "--k", "3", "--repeats", "1",
@@ -143,7 +143,7 @@ def test_runs_merge_small_gaps():
 
 
 def test_sparse_rows_are_verified_and_scores_are_stored(tmp_path):
-    from engine_sidecar.frequency import frequency_scores
+    from engine_sidecar.store.frequency import frequency_scores
 
     tier, keys, values, lazy = stored_chunk(tmp_path, "cd" * 20, layers=2, tokens=40)
     assert torch.allclose(lazy.scores, frequency_scores(keys, values))

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_sidecar.conversation import Conversation, ConversationStore
+from engine_sidecar.reuse.conversation import Conversation, ConversationStore
 from engine_sidecar.store.entry import ChunkKV
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_sidecar.cptree import CPNode, CPTree, chain_digest
+from engine_sidecar.reuse.cptree import CPNode, CPTree, chain_digest
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -9,10 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_sidecar.conversation import Conversation
-from engine_sidecar.planner import IN_CONTEXT, Planner
-from engine_sidecar.policies import parse_policy
-from engine_sidecar.prompt import PromptBuilder, segment_digest
+from engine_sidecar.execution.policies import parse_policy
+from engine_sidecar.request.prompt import PromptBuilder, segment_digest
+from engine_sidecar.reuse.conversation import Conversation
+from engine_sidecar.reuse.planner import IN_CONTEXT, Planner
 from engine_sidecar.store.entry import ChunkKV
 from ragcache_integrations import Chunk, ChunkedPrompt
 from tests.test_planner_unit import MemoryState

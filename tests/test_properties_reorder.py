@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_sidecar.frequency import frequency_scores
-from engine_sidecar.reorder import ChunkAccessTable
+from engine_sidecar.request.reorder import ChunkAccessTable
+from engine_sidecar.store.frequency import frequency_scores
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ids = st.sampled_from([f"c{i}" for i in range(8)])

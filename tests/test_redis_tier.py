@@ -310,7 +310,7 @@ def test_cachetune_scores_are_computed_once_for_the_disk_and_redis_tiers(server,
     every layer) on the same new entry. Counted on the real function, wherever the store binds it."""
     import sys
 
-    from engine_sidecar.frequency import frequency_scores
+    from engine_sidecar.store.frequency import frequency_scores
 
     calls: list[tuple[int, ...]] = []
 
@@ -498,8 +498,8 @@ def test_cache_stats_and_metrics_show_the_redis_tier(tiny_llama_dir, server):
     from fastapi.testclient import TestClient
     from prometheus_client.parser import text_string_to_metric_families
 
+    from engine_sidecar.cli.serve import banner
     from engine_sidecar.server import ServerSettings, create_app
-    from engine_sidecar.server.serve import banner
 
     server.client().flushdb()
     with engine(tiny_llama_dir, server.url) as first:

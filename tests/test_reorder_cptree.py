@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine_sidecar.cptree import CPTree
-from engine_sidecar.reorder import ChunkAccessTable
+from engine_sidecar.request.reorder import ChunkAccessTable
+from engine_sidecar.reuse.cptree import CPTree
 
 
 def test_ca_table_counts_and_window_expiry():

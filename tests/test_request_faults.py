@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
 from engine_sidecar import Engine
+from engine_sidecar.engine.sampling import GREEDY_BELOW, choose_token
 from engine_sidecar.errors import NonFiniteKVError, NonFiniteLogitsError
-from engine_sidecar.sampling import GREEDY_BELOW, choose_token
 from engine_sidecar.server import ServerSettings, create_app
 from engine_sidecar.store.entry import ChunkKV
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
@@ -277,7 +277,7 @@ def test_warming_with_non_finite_kv_is_a_422_and_stores_nothing(tmp_path, smol_d
 
 # --- the scheduler survives any one sequence ------------------------------------------------------
 def test_a_sequence_failing_in_a_decode_step_fails_alone(engine, client, monkeypatch):
-    import engine_sidecar.sequence as sequence
+    import engine_sidecar.engine.sequence as sequence
 
     real = sequence.choose_token
     calls = {"seed 7": 0}

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from engine_sidecar import Engine
-from engine_sidecar.executor import decode_batch, fused_prefill
+from engine_sidecar.execution.executor import decode_batch, fused_prefill
+from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+from engine_sidecar.execution.policies import FullPolicy
 from engine_sidecar.model.runner import ModelRunner
-from engine_sidecar.plan import FusionPlan, PlanSpan
-from engine_sidecar.policies import FullPolicy
 from tests.conftest import make_tiny_model
 
 PASSAGES = [

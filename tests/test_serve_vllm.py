@@ -70,7 +70,7 @@ def generate(server, body: dict, **extra) -> dict:
 
 def native_vllm(server, smol_dir, body: dict, max_tokens: int) -> list[int]:
     """The same prompt straight to the sidecar's vLLM child, without ragcache's params."""
-    from engine_sidecar.prompt import PromptBuilder
+    from engine_sidecar.request.prompt import PromptBuilder
     from ragcache_integrations.types import ChunkedPrompt
 
     ids = PromptBuilder.load(smol_dir).build(ChunkedPrompt.model_validate(body)).token_ids
@@ -232,7 +232,7 @@ def test_a_dead_vllm_is_a_clear_503(smol_dir, tmp_path):
     """vLLM exited under a running sidecar: health and requests answer 503 naming its log."""
     from fastapi.testclient import TestClient
 
-    from engine_sidecar.prompt import PromptBuilder
+    from engine_sidecar.request.prompt import PromptBuilder
     from engine_sidecar.server import ServerSettings, create_app
     from engine_sidecar.vllm_backend.launch import VllmProcess
     from engine_sidecar.vllm_backend.layout import VllmLayout

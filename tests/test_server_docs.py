@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine_sidecar.server import create_app
-from engine_sidecar.server.serve import add_serve_arguments
+from engine_sidecar.server.serve_args import add_serve_arguments
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
 HEADER = re.compile(r"^### `(GET|POST|PUT|PATCH|DELETE) (/\S*)`$", re.M)

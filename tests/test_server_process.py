@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_sidecar.process import SidecarError, SidecarProcess
+from engine_sidecar.server.process import SidecarError, SidecarProcess
 
 
 class ServerProcess(SidecarProcess):
@@ -73,7 +73,7 @@ def test_bad_serve_flags_are_refused_before_the_model_loads(tmp_path, flag, valu
 def test_a_sidecar_dies_with_its_killed_parent(tiny_llama_dir, tmp_path):
     """SIGKILL leaves no chance to clean up: the kernel's parent-death signal stops the sidecar."""
     parent_code = (
-        "import sys, time; from pathlib import Path; from engine_sidecar.process import SidecarProcess\n"
+        "import sys, time; from pathlib import Path; from engine_sidecar.server.process import SidecarProcess\n"
         f"s = SidecarProcess(Path({str(tmp_path / 'log')!r}), '--model', {str(tiny_llama_dir)!r}, '--no-disk').start()\n"
         "print(s.proc.pid, flush=True); time.sleep(600)\n"
     )

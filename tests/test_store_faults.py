@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine_sidecar import Engine
-from engine_sidecar.policies import CacheTunePolicy
+from engine_sidecar.execution.policies import CacheTunePolicy
 from engine_sidecar.store import disk as disk_module
 from tests.test_server_process import ServerProcess
 

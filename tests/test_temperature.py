@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.executor import fused_prefill, temper_stale_rows
-from engine_sidecar.policies import parse_policy
+from engine_sidecar.execution.executor import fused_prefill, temper_stale_rows
+from engine_sidecar.execution.policies import parse_policy
 from ragcache_integrations import ChunkedPrompt
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
 from tests.policy_prompt import PASSAGES, QUESTION, plan_of

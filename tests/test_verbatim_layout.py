@@ -125,8 +125,8 @@ def test_exact_chunk_paths_include_the_text_between_chunks(tiny_llama_dir, tmp_p
 def test_edge_names_keep_separator_and_chunk_apart():
     """A separator [5] before chunk [7] is another edge than chunk [5, 7] with nothing between:
     their stored KV has different lengths."""
-    from engine_sidecar.planner import edge_digests
-    from engine_sidecar.prompt import Segment
+    from engine_sidecar.request.prompt import Segment
+    from engine_sidecar.reuse.planner import edge_digests
 
     with_separator = edge_digests([Segment("prefix", (1,)), Segment("separator", (5,)), Segment("chunk", (7,), "b")])
     joined = edge_digests([Segment("prefix", (1,)), Segment("chunk", (5, 7), "b")])

@@ -15,8 +15,8 @@ import torch
 
 from engine_sidecar import Engine
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.neighbours import NeighbourIndex, cosine
-from engine_sidecar.prompt import Segment
+from engine_sidecar.request.prompt import Segment
+from engine_sidecar.reuse.neighbours import NeighbourIndex, cosine
 from engine_sidecar.store.entry import IN_CONTEXT
 from ragcache_integrations import Chunk, ChunkedPrompt
 from tests.conftest import make_tiny_model

@@ -146,7 +146,7 @@ def test_workload_run_writes_every_requests_ttft_computed_and_stage_times(tmp_pa
 
 
 def test_bench_cluster_takes_the_retrieval_scope():
-    from engine_sidecar.cli import build_parser
+    from engine_sidecar.cli.main import build_parser
 
     assert build_parser().parse_args(["bench", "cluster"]).retrieval == "pooled"
     assert build_parser().parse_args(["bench", "cluster", "--retrieval", "per-document"]).retrieval == "per-document"

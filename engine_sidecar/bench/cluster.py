@@ -201,7 +201,7 @@ def run_cluster_bench(args: argparse.Namespace) -> int:
     from engine_sidecar.cluster.launch import add_cluster_arguments, replica_threads
     from engine_sidecar.engine_args import add_engine_arguments
     from engine_sidecar.model.prepare import resolve_model_dir
-    from engine_sidecar.server.serve import add_serve_arguments
+    from engine_sidecar.server.serve_args import add_serve_arguments
     from engine_sidecar.server.settings import ServerSettings
 
     console = Console(stderr=True)

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from engine_sidecar.executor import decode_step, fused_prefill
-from engine_sidecar.plan import FusionPlan, PlanSpan
-from engine_sidecar.policies import FullPolicy
+from engine_sidecar.execution.executor import decode_step, fused_prefill
+from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+from engine_sidecar.execution.policies import FullPolicy
 
 
 @contextmanager

@@ -27,10 +27,10 @@ from engine_sidecar.bench.metrics import bootstrap_ci, exact_match, rouge_l, tok
 from engine_sidecar.bench.oracle_policy import OraclePolicy
 from engine_sidecar.bench.policy_specs import BASELINE, is_oracle, oracle_ratio
 from engine_sidecar.bench.report import write_report
+from engine_sidecar.engine.warm import neighbour_index
 from engine_sidecar.errors import InvalidPromptError
+from engine_sidecar.execution.policies import GatePolicy, Policy, parse_policy
 from engine_sidecar.model.runner import ModelRunner
-from engine_sidecar.policies import GatePolicy, Policy, parse_policy
-from engine_sidecar.warm import neighbour_index
 from ragcache_integrations.types import ChunkedPrompt, SamplingParams
 
 

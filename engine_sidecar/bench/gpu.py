@@ -162,7 +162,7 @@ def random_runner(model_dir: Path, device: torch.device, dtype: torch.dtype, see
 
 
 def engine_on(runner, model_dir: Path, **options):
-    from engine_sidecar.engine import Engine
+    from engine_sidecar.engine.engine import Engine
     from engine_sidecar.engine_config import EngineConfig
 
     config = EngineConfig.from_options(model=str(model_dir), device=runner.device.type,
@@ -309,7 +309,7 @@ def few_queries_split(device: torch.device, quick: bool) -> list[dict[str, Any]]
 
 
 def _decode_layer_each(kvs: list, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
-    from engine_sidecar.executor import attend_each
+    from engine_sidecar.execution.executor import attend_each
 
     return attend_each(0, kvs, [kv.length for kv in kvs], None, q, k_new, k_new, v_new)
 
@@ -327,7 +327,7 @@ def _decode_layer_batched(kvs: list, q: torch.Tensor, k_new: torch.Tensor, v_new
 def batched_decode_bench(device: torch.device, quick: bool) -> list[dict[str, Any]]:
     """One decode layer of B sequences (8B shape, bf16, ~6.2K keys each): the new rows written and
     attended sequence by sequence (torch) against the Triton batched kernels (one launch each)."""
-    from engine_sidecar.executor import KVBuffer
+    from engine_sidecar.execution.executor import KVBuffer
 
     gen = torch.Generator().manual_seed(3)
     rows: list[dict[str, Any]] = []
@@ -352,7 +352,7 @@ def batched_decode_bench(device: torch.device, quick: bool) -> list[dict[str, An
 def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
                    data: Path | None) -> dict[str, Any]:
     """Correctness on this device and dtype, on a real (saved and loaded) small random model."""
-    from engine_sidecar.engine import Engine
+    from engine_sidecar.engine.engine import Engine
     from ragcache_integrations.types import ChunkedPrompt
 
     folder = model_folder(SHAPES["small"], tokenizer_dir, work / "guard-model")

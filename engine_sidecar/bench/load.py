@@ -181,8 +181,8 @@ def markdown_table(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
 
 def run_load(args: argparse.Namespace) -> int:
     from engine_sidecar.model.prepare import resolve_model_dir
-    from engine_sidecar.process import SidecarProcess
-    from engine_sidecar.prompt import PromptBuilder
+    from engine_sidecar.request.prompt import PromptBuilder
+    from engine_sidecar.server.process import SidecarProcess
 
     console = Console(stderr=True)
     levels = sorted({int(c) for c in str(args.clients).split(",") if c.strip()})

@@ -19,8 +19,8 @@ import torch
 
 from engine_sidecar.bench.policy_specs import ORACLE
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.plan import FusionPlan
-from engine_sidecar.policies import Policy, span_masks
+from engine_sidecar.execution.plan import FusionPlan
+from engine_sidecar.execution.policies import Policy, span_masks
 
 NAME = ORACLE
 HEAD = 16  # a chunk's first tokens, where the isolated convention's attention sink sits

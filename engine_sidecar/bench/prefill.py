@@ -77,9 +77,9 @@ class EngineSystem:
         self.runner = ModelRunner.load(model_dir, device="cpu", dtype=dtype)
 
     def prefill(self, ids: list[int]) -> tuple[float, float | None]:
-        from engine_sidecar.executor import fused_prefill
-        from engine_sidecar.plan import FusionPlan, PlanSpan
-        from engine_sidecar.policies import FullPolicy
+        from engine_sidecar.execution.executor import fused_prefill
+        from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+        from engine_sidecar.execution.policies import FullPolicy
 
         plan = FusionPlan([PlanSpan("question", 0, tuple(ids), "fresh")], "full")
         start = time.perf_counter()
@@ -187,7 +187,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     """Times every system's prefill of the same prompts, dtype by dtype, and publishes the
     medians with their ratios."""
     from engine_sidecar.model.prepare import resolve_model_dir
-    from engine_sidecar.prompt import PromptBuilder
+    from engine_sidecar.request.prompt import PromptBuilder
 
     console = Console()
     sweep = _sweep(args)

@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from engine_sidecar.process import SidecarProcess
+from engine_sidecar.server.process import SidecarProcess
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "musique_s.json"

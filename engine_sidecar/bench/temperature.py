@@ -22,9 +22,9 @@ from rich.table import Table
 
 from engine_sidecar.bench.datasets import chunk_texts, load_dataset
 from engine_sidecar.bench.fidelity import agreement_and_kl, full_reference
-from engine_sidecar.calibration import save_fit
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.fingerprint import weights_fingerprint
+from engine_sidecar.execution.calibration import save_fit
+from engine_sidecar.request.fingerprint import weights_fingerprint
 from ragcache_integrations.policy_registry import (
     BY_NAME,
     TEMP_RANGE,

@@ -32,12 +32,12 @@ from engine_sidecar.bench.stream import (
     overlap_fractions,
 )
 from engine_sidecar.bench.vllm_peer import VLLM_ENV_HELP, VllmServer, find_vllm_python
-from engine_sidecar.engine import Engine, EngineConfig
+from engine_sidecar.engine.engine import Engine, EngineConfig
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.model.prepare import resolve_model_dir
 from engine_sidecar.model.runner import ModelRunner
-from engine_sidecar.prompt import PromptBuilder, segment_digest
-from engine_sidecar.reorder import ChunkAccessTable
+from engine_sidecar.request.prompt import PromptBuilder, segment_digest
+from engine_sidecar.request.reorder import ChunkAccessTable
 from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.vllm_backend.params import connector_config, request_params
 from ragcache_integrations.types import Chunk, ChunkedPrompt

@@ -40,7 +40,7 @@ def replica_threads(args: argparse.Namespace) -> int:
 
 def serve_cluster(args: argparse.Namespace) -> int:
     from engine_sidecar.model.prepare import resolve_model_dir
-    from engine_sidecar.server.serve import settings_from_args
+    from engine_sidecar.server.serve_args import settings_from_args
 
     try:
         from engine_sidecar.cluster import ray_app

@@ -19,7 +19,7 @@ from engine_sidecar.cluster.routing import (
 )
 
 if TYPE_CHECKING:
-    from engine_sidecar.engine import Engine
+    from engine_sidecar.engine.engine import Engine
 
 DEFAULT_DISK_RATIO = 0.1  # until the replica has measured a load from that tier
 DEFAULT_REDIS_RATIO = 0.15

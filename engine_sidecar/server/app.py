@@ -24,7 +24,7 @@ from engine_sidecar.server.settings import ServerSettings
 from engine_sidecar.server.worker import EngineWorker
 
 if TYPE_CHECKING:
-    from engine_sidecar.engine import Engine
+    from engine_sidecar.engine.engine import Engine
 
 DESCRIPTION = """Chunk-level KV-cache reuse for RAG. Send retrieved chunks as structure
 (`/v1/generate`, or `chunks` on `/v1/chat/completions`); cached chunk KV is reused, placed at its

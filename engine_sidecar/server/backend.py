@@ -12,14 +12,14 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from engine_sidecar.sequence import GenerationStream
+from engine_sidecar.engine.sequence import GenerationStream
+from engine_sidecar.engine.warm import neighbour_index
 from engine_sidecar.server.errors import ApiError
-from engine_sidecar.warm import neighbour_index
 from ragcache_integrations.api_models import CacheStats
 from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, SamplingParams
 
 if TYPE_CHECKING:
-    from engine_sidecar.engine import Engine
+    from engine_sidecar.engine.engine import Engine
     from engine_sidecar.store.chunk_store import ChunkStore
 
 Event = Any  # a generation yields str deltas then a GenerationResult; warm yields counts

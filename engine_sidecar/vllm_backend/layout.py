@@ -16,8 +16,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from engine_sidecar.prompt import PromptBuilder, segment_digest
-from engine_sidecar.reorder import ChunkAccessTable, access_key, check_order
+from engine_sidecar.request.prompt import PromptBuilder, segment_digest
+from engine_sidecar.request.reorder import ChunkAccessTable, access_key, check_order
 from ragcache_integrations.types import Chunk, ChunkedPrompt
 
 

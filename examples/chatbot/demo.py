@@ -97,7 +97,7 @@ def load_questions(path: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    from engine_sidecar.process import SidecarError, SidecarProcess
+    from engine_sidecar.server.process import SidecarError, SidecarProcess
     from examples.chatbot.ingest import embedder, ensure_ingested, open_qdrant
     from examples.chatbot.service import ChatService, ChatSettings
 

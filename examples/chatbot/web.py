@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from engine_sidecar.process import SidecarError, SidecarProcess
+    from engine_sidecar.server.process import SidecarError, SidecarProcess
     from examples.chatbot.ingest import embedder, ensure_ingested, open_qdrant
 
     args = build_parser().parse_args(argv)

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_sidecar.executor import _decode_attention, decode_batch, fused_prefill
+from engine_sidecar.execution.executor import _decode_attention, decode_batch, fused_prefill
+from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+from engine_sidecar.execution.policies import FullPolicy
 from engine_sidecar.model.runner import ModelRunner
-from engine_sidecar.plan import FusionPlan, PlanSpan
-from engine_sidecar.policies import FullPolicy
 from ragcache_kernels import cpu_native, dispatch
 from ragcache_kernels.attention import position_mask, selective_attention
 from tests.conftest import make_tiny_model

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_sidecar.executor import _decode_attention, decode_batch, fused_prefill
+from engine_sidecar.execution.executor import _decode_attention, decode_batch, fused_prefill
+from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+from engine_sidecar.execution.policies import FullPolicy
 from engine_sidecar.model.runner import ModelRunner
-from engine_sidecar.plan import FusionPlan, PlanSpan
-from engine_sidecar.policies import FullPolicy
 from ragcache_kernels import cpu_native, dispatch
 from ragcache_kernels.attention import selective_attention
 from tests.conftest import make_tiny_model

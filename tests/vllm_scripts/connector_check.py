@@ -50,7 +50,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from engine_sidecar.prompt import PromptBuilder
+    from engine_sidecar.request.prompt import PromptBuilder
     from engine_sidecar.vllm_backend.params import connector_config, request_params
     from ragcache_integrations.types import Chunk, ChunkedPrompt
 

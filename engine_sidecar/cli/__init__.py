@@ -1,0 +1,1 @@
+"""The `ragcache` command line: one module per concern, the entry point first."""

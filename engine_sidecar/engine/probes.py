@@ -1,0 +1,76 @@
+"""Fidelity probes: a policy's logits along a given continuation, and what an ordinary full
+prefill costs now. They run under the engine lock between scheduler steps, outside any
+Sequence, so the benchmarks can compare policies token for token without sampling."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from engine_sidecar.engine.request_prep import RequestPreparer
+from engine_sidecar.engine.stats import request_stats
+from engine_sidecar.engine.step import PrefillStep
+from engine_sidecar.execution.executor import PrefillResult, decode_step, fused_prefill
+from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+from engine_sidecar.execution.policies import Policy, parse_policy
+from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.request.prompt import PromptBuilder
+from ragcache_integrations.types import ChunkedPrompt, GenerationStats
+
+
+class FidelityProbes:
+    def __init__(self, runner: ModelRunner, builder: PromptBuilder, prep: RequestPreparer, lock: threading.RLock,
+                 step: PrefillStep, convention: str):
+        self.runner, self.builder, self.prep, self.step = runner, builder, prep, step
+        self._lock = lock  # the engine's
+        self.convention = convention
+
+    def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
+                       tenant: str = "", order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
+        """Next-token logits after the prompt, and the prefill's stats (for fidelity checks)."""
+        logits, stats = self.teacher_forced_logits(prompt, [], policy, tenant, order)
+        return logits[0], stats
+
+    def teacher_forced_logits(self, prompt: ChunkedPrompt | dict, continuation: list[int],
+                              policy: str | Policy = "cacheblend", tenant: str = "",
+                              order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
+        """Logits [1 + len(continuation), vocab]: after the prompt, then after each token of
+        `continuation` fed back in turn (teacher forcing). Along full prefill's own answer this
+        compares a policy's next-token choices step by step, without free-running divergence."""
+        prompt, _, pol = self.prep.prepare(prompt, None, policy, order, tenant)
+        t0 = time.perf_counter()
+        self.prep.validate(prompt, len(continuation) + 1)
+        with self._lock:
+            planned, result = self.step.run(prompt, pol, tenant, len(continuation) + 1, {})
+            assert result.logits is not None
+            rows = [result.logits]
+            rows += [decode_step(self.runner, result.kv, token) for token in continuation]
+        stats = request_stats(planned, result, time.perf_counter() - t0, pol, {}, self.runner.num_layers,
+                              self.convention)
+        return torch.stack(rows), stats
+
+    def prefill_kv(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend", tenant: str = "",
+                   order: str = "preserve") -> tuple[tuple[int, ...], PrefillResult, GenerationStats]:
+        """The prompt's token ids and KV as the engine's prefill leaves them (the policy's fusion,
+        store reads, misses computed in place and committed), for a backend that decodes
+        elsewhere: the vLLM connector writes this KV into vLLM's paged cache."""
+        prompt, _, pol = self.prep.prepare(prompt, None, policy, order, tenant)
+        t0 = time.perf_counter()
+        self.prep.validate(prompt, 1)
+        with self._lock:
+            planned, result = self.step.run(prompt, pol, tenant, 0, {})
+        stats = request_stats(planned, result, time.perf_counter() - t0, pol, {}, self.runner.num_layers,
+                              self.convention)
+        return tuple(planned.plan.token_ids), result, stats
+
+    def measure_full_prefill(self, prompt: ChunkedPrompt | dict) -> float:
+        """Seconds an ordinary full prefill of this prompt takes now, without touching the cache,
+        the CA-Table or conversations: the baseline a reuse figure is compared with."""
+        prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
+        ids = tuple(self.builder.build(prompt).token_ids)
+        with self._lock:
+            start = time.perf_counter()
+            fused_prefill(self.runner, FusionPlan([PlanSpan("question", 0, ids, "fresh")], "full"), parse_policy("full"))
+            return time.perf_counter() - start

@@ -1,0 +1,191 @@
+"""Concurrent requests served in batches: a waiting queue, a running set, one stepping thread.
+
+Each step is either one prefill (the oldest waiting sequence, when the running set has room in
+sequences and in reserved KV rows) or one batched decode step over every running sequence.
+Prefill goes first: a new request's first token waits for at most one decode step, and decode
+steps grow cheaper per token as the batch fills. The engine's lock is held for one step at a
+time, so warm-ups, cache clears and fidelity probes interleave between steps.
+
+A failure belongs to the sequence it came from: an exception in one sequence's prefill, sampling
+or completion fails that request and frees its slot while the others keep stepping. A fault
+outside any one sequence stops the loop; then every queued and running request fails at once,
+new ones are refused, and `failure` says why (`/health` answers 503 with it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engine_sidecar.engine.sequence import Sequence
+from engine_sidecar.errors import EngineUnavailableError
+from engine_sidecar.execution.executor import decode_batch
+
+if TYPE_CHECKING:
+    from engine_sidecar.model.runner import ModelRunner
+
+log = logging.getLogger("ragcache.scheduler")
+
+
+class SchedulerClosed(EngineUnavailableError):
+    pass
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, lock: threading.RLock, begin: Callable[[Sequence], bool],
+                 complete: Callable[[Sequence], None], max_batch: int, kv_budget_tokens: int):
+        """`begin(seq)` plans and prefills a sequence and samples its first token (True while it
+        wants more); `complete(seq)` runs after its last token. Both run on the stepping thread
+        with `lock` held."""
+        self.runner, self.lock = runner, lock
+        self.begin, self.complete = begin, complete
+        self.max_batch = max(1, max_batch)
+        self.kv_budget_tokens = kv_budget_tokens
+        self._cond = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.failure: str | None = None  # why the stepping loop stopped on a fault, if it did
+        self.steps_prefill = 0
+        self.steps_decode = 0
+        self.decode_batch_sum = 0  # sequences decoded over all decode steps (mean batch = sum / steps)
+        self.peak_batch = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def submit(self, seq: Sequence) -> None:
+        with self._cond:
+            if self.failure is not None:
+                raise SchedulerClosed(f"the engine's scheduler stopped on a fault ({self.failure}); restart the server")
+            if self._stopping:
+                raise SchedulerClosed("the engine is closed")
+            self._waiting.append(seq)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ragcache-scheduler", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stop stepping; sequences still waiting or running end with SchedulerClosed."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=60)
+
+    # --- the stepping thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            self._step_until_stopped()
+        except BaseException as exc:  # a fault outside any one sequence: nothing may wait forever
+            log.exception("the scheduler loop stopped")
+            with self._cond:
+                self.failure = f"{type(exc).__name__}: {exc}"
+                pending = list(self._waiting) + self._running
+                self._waiting.clear()
+                self._running = []
+            for seq in pending:
+                seq.release()
+                seq.fail(SchedulerClosed(f"the engine's scheduler stopped on a fault ({self.failure})"))
+
+    def _step_until_stopped(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._stopping:
+                    pending = list(self._waiting) + self._running
+                    self._waiting.clear()
+                    break
+                admitted = self._admit()
+            self._running = [s for s in self._running if not self._dropped(s)]
+            with self.lock:
+                if admitted is not None:
+                    self._prefill(admitted)
+                elif self._running:
+                    self._decode()
+        for seq in pending:
+            seq.release()
+            seq.fail(SchedulerClosed("the engine was closed before this request finished"))
+        self._running = []
+
+    def _dropped(self, seq: Sequence) -> bool:
+        if seq.cancelled.is_set():  # its reader is gone: free its KV now
+            seq.release()
+            return True
+        return False
+
+    def _admit(self) -> Sequence | None:
+        """The oldest waiting sequence if it fits (always when nothing runs: a request larger
+        than the budget still runs, alone)."""
+        while self._waiting and self._waiting[0].cancelled.is_set():
+            self._waiting.popleft()
+        if not self._waiting or len(self._running) >= self.max_batch:
+            return None
+        reserved = sum(s.reserved_tokens for s in self._running)
+        if self._running and reserved + self._waiting[0].reserved_tokens > self.kv_budget_tokens:
+            return None
+        return self._waiting.popleft()
+
+    def _prefill(self, seq: Sequence) -> None:
+        self.steps_prefill += 1
+        try:
+            more = self.begin(seq)
+        except BaseException as exc:  # the request's own error (bad prompt, damaged file...)
+            seq.release()
+            seq.fail(exc)
+            return
+        if more:
+            self._running.append(seq)
+        else:
+            self._finish(seq)
+
+    def _decode(self) -> None:
+        batch = self._running
+        self.steps_decode += 1
+        self.decode_batch_sum += len(batch)
+        self.peak_batch = max(self.peak_batch, len(batch))
+        try:
+            kvs = [s.kv for s in batch]
+            tokens = [s.next_token for s in batch]
+            assert all(kv is not None for kv in kvs) and all(t is not None for t in tokens)
+            logits = decode_batch(self.runner, kvs, tokens)  # type: ignore[arg-type]
+        except BaseException as exc:  # every sequence in the step is affected alike
+            log.exception("batched decode step failed")
+            for seq in batch:
+                seq.release()
+                seq.fail(exc)
+            self._running = []
+            return
+        still: list[Sequence] = []
+        for seq, row in zip(batch, logits, strict=True):
+            try:
+                more = seq.accept(row)
+            except Exception as exc:  # this sequence's own (its sampling, its text): the others go on
+                seq.release()
+                seq.fail(exc)
+                continue
+            if more:
+                still.append(seq)
+            else:
+                self._finish(seq)
+        self._running = still
+
+    def _finish(self, seq: Sequence) -> None:
+        try:
+            self.complete(seq)
+        except BaseException as exc:
+            seq.fail(exc)
+        finally:
+            seq.release()

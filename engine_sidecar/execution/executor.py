@@ -1,0 +1,365 @@
+"""Layer-by-layer fused prefill and decode over one sequence's KV buffer.
+
+Per layer: the active tokens (chosen by the policy) get q/k/v from their current hidden states;
+their pre-RoPE keys and values overwrite the cached ones in the buffer; all keys are rotated to
+their global positions (cos/sin computed once per request); the active queries attend over all
+keys with a causal-by-position mask; attention output and MLP update only the active tokens.
+Tokens not active keep their cached KV, which is what makes reuse cheap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_sidecar.execution.plan import FusionPlan
+from engine_sidecar.execution.policies import LayerView, Policy
+from engine_sidecar.execution.prefetch import LayerPrefetcher, PrefetchTimes
+from engine_sidecar.execution.prophet import ReusedKV
+from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.store.entry import ChunkKV, warmed_after_neighbours
+from ragcache_kernels import dispatch
+from ragcache_kernels.rope import apply_rope
+
+
+@dataclass
+class KVBuffer:
+    """A sequence's KV for every layer, preallocated to `capacity` so decode grows in place."""
+
+    keys_pre: torch.Tensor  # [L, cap, Hkv, D] before RoPE (what the store keeps)
+    keys: torch.Tensor  # [L, cap, Hkv, D] rotated to global positions
+    values: torch.Tensor  # [L, cap, Hkv, D]
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, runner: ModelRunner, capacity: int) -> KVBuffer:
+        c = runner.config
+        shape = (c.num_layers, capacity, c.num_kv_heads, c.head_dim)
+        kw = {"dtype": runner.dtype, "device": runner.device}
+        return cls(torch.empty(shape, **kw), torch.empty(shape, **kw), torch.empty(shape, **kw))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+    def ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        grow = max(needed, 2 * self.capacity) - self.capacity
+        pad = (0, 0, 0, 0, 0, grow)
+        self.keys_pre = torch.nn.functional.pad(self.keys_pre, pad)
+        self.keys = torch.nn.functional.pad(self.keys, pad)
+        self.values = torch.nn.functional.pad(self.values, pad)
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor | None  # [vocab] for the last prompt token
+    kv: KVBuffer
+    token_layers_computed: int  # sum over layers of active tokens: the honest compute share
+    fused_tokens_recomputed: int  # fused (cached) tokens still recomputed at the last layer
+    fused_tokens: int
+    load_s: float = 0.0  # copying cached KV (RAM tier) into the buffer
+    loaded_tokens: int = 0
+    prefetch: PrefetchTimes | None = None  # disk-tier KV read layer by layer during the prefill
+    prefetched: list[ChunkKV] = field(default_factory=list)  # those entries, now fully in memory
+
+
+@dataclass
+class ActiveRows:
+    """The tokens that get hidden states on the current layer (a policy may shrink the set between
+    layers), with what each layer needs of them."""
+
+    index: torch.Tensor  # [A] rows of the prompt, ascending (device)
+    must_keep: torch.Tensor  # [A] bool: rows with no cached KV, which no policy may drop
+    hidden: torch.Tensor  # [A, hidden]
+    cos: torch.Tensor  # [A, head_dim] RoPE tables at their positions
+    sin: torch.Tensor
+
+    @classmethod
+    def start(cls, index: torch.Tensor, must_keep: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> ActiveRows:
+        return cls(index, must_keep, hidden, cos[index], sin[index])
+
+    def shrink(self, keep: torch.Tensor) -> None:
+        self.index, self.must_keep, self.hidden = self.index[keep], self.must_keep[keep], self.hidden[keep]
+        self.cos, self.sin = self.cos[keep], self.sin[keep]
+
+
+@torch.inference_mode()
+def fused_prefill(
+    runner: ModelRunner,
+    plan: FusionPlan,
+    policy: Policy,
+    capacity: int | None = None,
+    need_logits: bool = True,
+    observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+    prefetch_depth: int = 1,
+) -> PrefillResult:
+    """Run the plan. `observer(layer, rotated queries [A,H,D], active positions [A], rotated keys
+    [n,Hkv,D])` sees each layer's attention inputs (Cache-Craft records chunk statistics). Spans
+    whose cached KV is still on disk (`ChunkKV.reader`) are read a layer at a time on a thread
+    while earlier layers compute, `prefetch_depth` layers before layer 0 starts."""
+    run = _FusedRun.start(runner, plan, policy, capacity, observer)
+    reused = run.rotate_cached()
+    token_layers = policy.prepare(runner, plan, reused)  # model work before layer 0 (the question probe)
+    active_mask = policy.initial_active(plan) | ~run.has_cache
+    # tokens active from layer 0 that stay active never read their cached rows: skip them
+    skip = active_mask if policy.keeps_initial_active else None
+    prefetcher = LayerPrefetcher(plan, run.kv.keys_pre, run.kv.values, prefetch_depth, skip).start()
+    # chosen on the host (the masks live there): reading device indices back would wait for the
+    # cached keys' rotation queued above
+    active_host = active_mask.nonzero().squeeze(1)
+    device = runner.device
+    rows = ActiveRows.start(active_host.to(device), (~run.has_cache)[active_host].to(device),
+                            runner.embed(run.ids[active_host.to(device)]), run.cos, run.sin)
+    for layer in range(runner.num_layers):
+        prefetcher.wait(layer)
+        token_layers += run.layer(layer, rows)
+    return run.finish(rows, need_logits, token_layers, prefetcher)
+
+
+@dataclass
+class _FusedRun:
+    """What every layer of one fused prefill shares: the buffer, the RoPE tables, which rows hold
+    cached KV of fused chunks and which of those `tempT` scales."""
+
+    runner: ModelRunner
+    plan: FusionPlan
+    policy: Policy
+    kv: KVBuffer
+    ids: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    has_cache: torch.Tensor  # [n] bool, host
+    loaded: int
+    load_s: float
+    fused: torch.Tensor  # [n] bool, host
+    tempered: torch.Tensor  # [n] bool, host
+    key_scale: float | None  # 1/T for `tempT`'s tempered rows, None when nothing is scaled
+    lazy: bool  # some cached KV still on disk: keys are rotated layer by layer as they arrive
+    observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None
+
+    @classmethod
+    def start(cls, runner: ModelRunner, plan: FusionPlan, policy: Policy, capacity: int | None,
+              observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None) -> _FusedRun:
+        n = plan.num_tokens
+        device = runner.device
+        kv = KVBuffer.allocate(runner, max(capacity or n, n))
+        positions = torch.arange(n, device=device)
+        cos, sin = runner.rope_tables(positions)
+        has_cache, loaded, load_s = _load_cached(kv, plan)
+        fused, tempered = _fused_rows(plan, policy)
+        lazy = any(s.cached is not None and s.cached.reader is not None and s.mode != "fresh" for s in plan.spans)
+        # `tempT`: the fused chunks' cached keys are scaled by 1/T once rotated, which divides every
+        # query's logits on them by T (RoPE is linear); rows recomputed on a layer are overwritten there
+        key_scale = 1.0 / policy.temperature if policy.temperature != 1.0 and bool(tempered.any()) else None
+        ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
+        return cls(runner, plan, policy, kv, ids, positions, cos, sin, has_cache, loaded, load_s, fused, tempered,
+                   key_scale, lazy, observer)
+
+    @property
+    def n(self) -> int:
+        return self.plan.num_tokens
+
+    def rotate_cached(self) -> ReusedKV | None:
+        """Every layer's cached keys rotated to their new positions in one pass (per layer only the
+        recomputed rows are rotated again), unless they arrive layer by layer from disk. A question
+        probe reads them from the buffer rather than copying and rotating them once more."""
+        if not bool(self.has_cache.any()) or self.lazy:
+            return None
+        kv, n = self.kv, self.n
+        kv.keys[:, :n] = apply_rope(kv.keys_pre[:, :n], self.cos, self.sin)
+        for span in self.plan.spans if self.key_scale is not None else ():
+            if span.mode == "fuse" and is_tempered(span.cached, self.policy):
+                kv.keys[:, span.start : span.end].mul_(self.key_scale)
+        return ReusedKV(kv.keys[:, :n], kv.values[:, :n])
+
+    def rotate_layer(self, layer: int, active: torch.Tensor) -> None:
+        """One layer's keys as they arrive from disk."""
+        n = self.n
+        dispatch.rotate_keys(self.kv.keys_pre[layer, :n], self.positions, self.runner.inv_freq,
+                             out=self.kv.keys[layer, :n], tables=(self.cos, self.sin))
+        temper_stale_rows(self.kv.keys[layer, :n], self.tempered, active, self.key_scale)
+
+    def rope_at(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, self.cos[idx], self.sin[idx])
+
+    def layer(self, layer: int, rows: ActiveRows) -> int:
+        """One layer over the active rows (which the policy may shrink first); how many it computed."""
+        runner, kv, n = self.runner, self.kv, self.n
+        if rows.index.numel() == 0:  # every token reused exactly (a prefix-only run): the cached KV stands
+            if self.lazy:
+                self.rotate_layer(layer, rows.index)
+            return 0
+        qkv = runner.qkv(layer, rows.hidden)
+        keep = self.policy.refine(
+            LayerView(layer, rows.index, rows.must_keep, qkv.k, qkv.v, kv.keys_pre[layer, :n], kv.values[layer, :n],
+                      runner.num_layers, qkv.q, self.rope_at)
+        )
+        if keep is not None and not bool(keep.all()):
+            keep = keep.to(runner.device)
+            rows.shrink(keep)
+            qkv.q, qkv.k, qkv.v = qkv.q[keep], qkv.k[keep], qkv.v[keep]
+        active = rows.index
+        dense = active.shape[0] == n
+        # Triton kernels on CUDA, torch references elsewhere (RAGCACHE_KERNELS forces either)
+        dispatch.scatter_rows(kv.keys_pre[layer], active, qkv.k)
+        dispatch.scatter_rows(kv.values[layer], active, qkv.v)
+        if self.lazy:
+            self.rotate_layer(layer, active)
+        elif dense:
+            kv.keys[layer, :n] = apply_rope(qkv.k, rows.cos, rows.sin)
+        else:
+            dispatch.scatter_rows(kv.keys[layer], active, apply_rope(qkv.k, rows.cos, rows.sin))
+        q = apply_rope(qkv.q, rows.cos, rows.sin)
+        if self.observer is not None:
+            self.observer(layer, q, active, kv.keys[layer, :n])
+        # positions are 0..n-1 in order, so a row's index is its position
+        attn = dispatch.selective_attention(q, kv.keys[layer, :n], kv.values[layer, :n], active, self.positions,
+                                            runner.config.sliding_window, dense)
+        rows.hidden = runner.mlp(layer, runner.attn_out(layer, rows.hidden, attn.reshape(attn.shape[0], -1)))
+        return int(active.shape[0])
+
+    def finish(self, rows: ActiveRows, need_logits: bool, token_layers: int,
+               prefetcher: LayerPrefetcher) -> PrefillResult:
+        n = self.n
+        self.kv.length = n
+        logits = self.runner.logits(rows.hidden[-1:])[0] if need_logits else None
+        active_host = rows.index.cpu()  # the one read-back of the prefill, after every layer is queued
+        if need_logits and (active_host.numel() == 0 or int(active_host[-1]) != n - 1):
+            raise AssertionError("the last prompt token must stay active to produce logits")
+        recomputed = int(self.fused[active_host].sum())
+        prefetched = prefetcher.finish()
+        return PrefillResult(logits, self.kv, token_layers, recomputed, int(self.fused.sum()), self.load_s,
+                             self.loaded, prefetcher.times if prefetcher else None, prefetched)
+
+
+def _load_cached(kv: KVBuffer, plan: FusionPlan) -> tuple[torch.Tensor, int, float]:
+    """Copy the RAM-tier KV of the plan's cached spans into the buffer (disk-tier spans arrive a
+    layer at a time later). Returns the rows holding cached KV ([n] bool, on the host), how many
+    rows were copied, and the seconds it took."""
+    has_cache = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    started = time.perf_counter()
+    loaded = 0
+    for span in plan.spans:
+        if span.cached is not None and span.mode != "fresh":
+            if span.cached.reader is None:
+                kv.keys_pre[:, span.start : span.end] = span.cached.keys
+                kv.values[:, span.start : span.end] = span.cached.values
+                loaded += len(span)
+            has_cache[span.start : span.end] = True
+    return has_cache, loaded, time.perf_counter() - started
+
+
+def _fused_rows(plan: FusionPlan, policy: Policy) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of fused chunks, and those of them `tempT` scales ([n] bool each, on the host)."""
+    fused = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    tempered = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    for span in plan.spans:
+        if span.mode == "fuse":
+            fused[span.start : span.end] = True
+            tempered[span.start : span.end] = is_tempered(span.cached, policy)
+    return fused, tempered
+
+
+def is_tempered(cached: ChunkKV | None, policy: Policy) -> bool:
+    """Whether `tempT` scales this fused chunk's keys: always under a spec's own tempT; under the
+    model's calibrated T not KV warmed after neighbours."""
+    return policy.temperature != 1.0 and (policy.temper_neighbour_kv or cached is None
+                                          or not warmed_after_neighbours(cached))
+
+
+def temper_stale_rows(keys: torch.Tensor, fused: torch.Tensor, active: torch.Tensor, scale: float | None) -> None:
+    """Scale in place the rows of `keys` [n, Hkv, D] that hold fused chunks' cached KV on this
+    layer (fused, not recomputed here): `tempT` under layer-wise loading, where each layer's keys
+    are rotated as they arrive."""
+    if scale is None:
+        return
+    # a per-row factor (1 where nothing is scaled, which is exact) rather than boolean indexing,
+    # whose size the host would have to read back on every layer
+    factor = torch.where(fused, scale, 1.0).to(device=keys.device)  # fp32: the scalar product, rounded once
+    factor[active] = 1.0
+    keys.mul_(factor[:, None, None])
+
+
+def decode_step(runner: ModelRunner, kv: KVBuffer, token_id: int) -> torch.Tensor:
+    """Append one token at position kv.length and return its logits [vocab]."""
+    return decode_batch(runner, [kv], [token_id])[0]
+
+
+@torch.inference_mode()
+def decode_batch(runner: ModelRunner, kvs: list[KVBuffer], token_ids: list[int]) -> torch.Tensor:
+    """One decode step for several sequences at once: token i is appended to kvs[i] at its own
+    position. Projections and MLPs run as one matmul over the batch (on a CPU a [B, hidden]
+    GEMM costs about what a [1, hidden] one does: the weights are read once). With the Triton
+    kernels, every sequence's new rows are written in one launch per layer and attended in
+    another; otherwise rows are written and attended sequence by sequence (on a CPU in bf16 the
+    attention is one native call). Returns logits [B, vocab]."""
+    device = runner.device
+    positions = [kv.length for kv in kvs]
+    for kv, pos in zip(kvs, positions, strict=True):
+        kv.ensure_capacity(pos + 1)
+    window = runner.config.sliding_window
+    batched = dispatch.batched_decode([kv.keys_pre for kv in kvs], [kv.keys for kv in kvs],
+                                      [kv.values for kv in kvs], positions, window)
+    position_t = torch.tensor(positions, device=device)
+    cos, sin = runner.rope_tables(position_t)
+    hidden = runner.embed(torch.tensor(token_ids, device=device))
+    for layer in range(runner.num_layers):
+        qkv = runner.qkv(layer, hidden)
+        k_rot = apply_rope(qkv.k, cos, sin)
+        q = apply_rope(qkv.q, cos, sin)
+        if batched is not None:
+            batched.append(layer, qkv.k, k_rot, qkv.v)
+            attn = batched.attend(layer, q)
+        else:
+            attn = attend_each(layer, kvs, positions, window, q, qkv.k, k_rot, qkv.v)
+        hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn))
+    for kv, pos in zip(kvs, positions, strict=True):
+        kv.length = pos + 1
+    return runner.logits(hidden)
+
+
+def attend_each(layer: int, kvs: list[KVBuffer], positions: list[int], window: int | None, q: torch.Tensor,
+                 k_pre: torch.Tensor, k_rot: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Sequence by sequence: write each new row, then attend (every sequence in one native call
+    where it applies, bf16 on a CPU; else one torch call each). Returns [B, H * D]."""
+    keys, visible_values = [], []
+    for i, (kv, pos) in enumerate(zip(kvs, positions, strict=True)):
+        kv.keys_pre[layer, pos] = k_pre[i]
+        kv.keys[layer, pos] = k_rot[i]
+        kv.values[layer, pos] = values[i]
+        start = 0 if window is None else max(0, pos + 1 - window)
+        keys.append(kv.keys[layer, start : pos + 1])
+        visible_values.append(kv.values[layer, start : pos + 1])
+    attn = dispatch.decode_attention(q, keys, visible_values)
+    if attn is None:
+        outputs = [_decode_attention(q[i], keys[i], visible_values[i], None) for i in range(len(kvs))]
+        attn = torch.stack(outputs) if len(outputs) > 1 else outputs[0][None]
+    return attn
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The newest token's query [H, D] over keys [n, Hkv, D] -> [H * D]. It sees every key (the
+    last `window` with a sliding window), so no mask is needed. Two small matmuls; the softmax in
+    fp32: CPU SDPA's flash kernel costs several times as much for a single query. In fp32 the
+    query goes left (q @ K^T). In bf16/fp16 the keys go left (K @ q^T) in their own dtype, because
+    converting K and V to fp32 was a large share of a batched decode step; the scores are
+    rounded to bf16 once, as in transformers' eager attention. The same order in fp32 was
+    slower, hence two paths."""
+    if window is not None and k.shape[0] > window:
+        k, v = k[-window:], v[-window:]
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    scale = head_dim**-0.5
+    queries = q.view(kv_heads, q.shape[0] // kv_heads, head_dim)
+    if q.dtype == torch.float32:
+        scores = torch.matmul(queries, k.permute(1, 2, 0)).mul_(scale)
+        return torch.matmul(torch.softmax(scores, dim=-1), v.permute(1, 0, 2)).reshape(-1)
+    scores = torch.matmul(k.transpose(0, 1), queries.transpose(1, 2))  # [Hkv, n, group]
+    probs = torch.softmax(scores.float().mul_(scale), dim=1).to(v.dtype)
+    return torch.matmul(probs.transpose(1, 2), v.transpose(0, 1)).reshape(-1)  # [Hkv, group, D]
