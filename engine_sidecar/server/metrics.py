@@ -73,7 +73,7 @@ class ServerMetrics:
                                     "skipped (not called: breaker open), write, write_dropped (write queue full)",
                                     ["event"], registry=r)
         self._redis_seen: dict[str, int] = {}
-        # no store when only the OpenAPI schema is built (tests/test_server_schema_fuzz.py)
+        # no store when only the OpenAPI schema is built (tests/server/test_server_schema_fuzz.py)
         if store is not None and store.redis is not None:
             for event in _REDIS_EVENTS:
                 self.redis_events.labels(event)

@@ -1,4 +1,4 @@
-"""Run with the vLLM virtualenv's python by tests/test_vllm_connector.py: one vLLM engine
+"""Run with the vLLM virtualenv's python by tests/vllm_backend/test_vllm_connector.py: one vLLM engine
 (in process, CPU) with ragcache's connector serves the cases below; prints one JSON object.
 
 argv: model folder, dtype."""

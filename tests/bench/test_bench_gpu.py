@@ -1,0 +1,70 @@
+"""`ragcache bench gpu` as a dry run on the CPU (tiny shapes): every section runs and reports, the
+guards pass, the table names the machine, and it runs without fastapi, uvicorn or rich (the GPU
+machines' image has none of them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_sidecar.bench.gpu import POLICIES
+from engine_sidecar.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
+    out = tmp_path / "gpu"
+    assert main(["bench", "gpu", "--device", "cpu", "--quick", "--tokenizer", str(smol_dir), "--out", str(out)]) == 0
+    report = json.loads((out / "bench-gpu.json").read_text())
+    assert report["machine"]["device"] == "cpu" and report["machine"]["name"]
+    assert report["peaks"]["bandwidth_gb_s"] > 0 and report["peaks"]["matmul_tflop_s"] > 0
+    assert "CUDA" in report["kernels"]["skipped"]
+    guards = report["guards"]
+    assert guards["pass"] and guards["full_vs_transformers_argmax_equal"], guards
+    ttft = report["ttft_tiny"]
+    assert set(ttft["policies"]) == set(POLICIES) and ttft["tokens"] > 100
+    assert all(row["ttft_ms"] > 0 for row in ttft["policies"].values())
+    assert ttft["policies"]["full"]["chunk_hits"] == 0 and ttft["policies"]["reuse"]["chunk_hits"] == 3
+    assert ttft["policies"]["reuse"]["computed_fraction"] < ttft["policies"]["full"]["computed_fraction"]
+    assert ttft["transformers_full_ms"] > 0 and ttft["floor_weights_read_ms"] > 0 and ttft["floor_full_prefill_ms"] > 0
+    decode = report["decode_tiny"]
+    assert decode["1"]["output_tokens"] == 4 and decode["2"]["output_tokens"] == 8
+    table = (out / "bench-gpu.md").read_text()
+    assert report["machine"]["name"] in table and "| full | reuse |" in table and "floor tokens/s" in table
+    assert table.strip() in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag,value,message", [("--shapes", "huge", "unknown huge"),
+                                                ("--concurrency", "0", "--concurrency"),
+                                                ("--repeats", "-1", "--repeats")])
+def test_bad_flags_are_one_line_before_any_work(tmp_path, capsys, flag, value, message):
+    assert main(["bench", "gpu", "--device", "cpu", "--quick", flag, value, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and not (tmp_path / "bench-gpu.json").exists()
+
+
+def test_it_runs_without_the_server_stack(smol_dir, tmp_path):
+    # on the bundled sample passages, as in a clone without ../shared/data beside it
+    bundled = str(ROOT / "examples" / "data" / "demo.json")
+    code = ("import sys\n"
+            "for name in ('fastapi', 'uvicorn', 'rich', 'starlette'):\n"
+            "    sys.modules[name] = None  # importing any of them now fails\n"
+            "from engine_sidecar.bench.gpu import main\n"
+            f"raise SystemExit(main(['--device', 'cpu', '--quick', '--tokenizer', {str(smol_dir)!r}, "
+            f"'--out', {str(tmp_path)!r}, '--concurrency', '1', '--data', {bundled!r}]))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench-gpu.json").read_text())
+    assert not [k for k, v in report.items() if isinstance(v, dict) and "error" in v], report
+
+
+def test_the_flags_name_every_shape_the_benchmark_has():
+    from engine_sidecar.bench.gpu import SHAPES
+    from engine_sidecar.bench.gpu_args import SHAPE_NAMES
+
+    assert SHAPE_NAMES == tuple(SHAPES)
