@@ -21,12 +21,11 @@ from engine_sidecar.engine.probes import FidelityProbes
 from engine_sidecar.engine.request_prep import RequestPreparer
 from engine_sidecar.engine.scheduler import Scheduler
 from engine_sidecar.engine.sequence import GenerationStream, Sequence
+from engine_sidecar.engine.sequence_steps import SequenceSteps
 from engine_sidecar.engine.split_prefill import SplitPrefill
-from engine_sidecar.engine.stats import request_stats
 from engine_sidecar.engine.step import PrefillStep
 from engine_sidecar.engine.warm import Pool, warm_chunks
 from engine_sidecar.engine_config import EngineConfig
-from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError
 from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.calibration import resolve as fused_temperatures
 from engine_sidecar.execution.costs import CostMeter
@@ -37,17 +36,15 @@ from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.paths import default_cache_dir
 from engine_sidecar.request.fingerprint import model_fingerprint, tokenizer_fingerprint, weights_fingerprint
 from engine_sidecar.request.keys import KeyFactory
-from engine_sidecar.request.prompt import PromptBuilder, Segment
+from engine_sidecar.request.prompt import PromptBuilder
 from engine_sidecar.request.reorder import ChunkAccessTable
 from engine_sidecar.reuse.commit import ReuseWriter
 from engine_sidecar.reuse.conversation import ConversationStore
 from engine_sidecar.reuse.cptree import CPTree
 from engine_sidecar.reuse.plan_stage import PlanStage
-from engine_sidecar.reuse.planner import PlannedRequest, Planner
+from engine_sidecar.reuse.planner import PlannedRequest
 from engine_sidecar.reuse.precompute import Precomputer
-from engine_sidecar.reuse.turn_history import conversation_after_turn
 from engine_sidecar.store.chunk_store import ChunkStore
-from engine_sidecar.store.entry import CacheKey, ChunkKV, finite_kv
 from engine_sidecar.store.redis_tier import RedisTier
 from ragcache_integrations.types import (
     Chunk,
@@ -66,11 +63,9 @@ class Engine:
         self.tokenizer_fp = tokenizer_fingerprint(model_dir, builder.chat_template)
         self.keys = KeyFactory(self.model_fp, self.tokenizer_fp, config.reuse.convention)
         self._lock = threading.RLock()
-        self.eos_ids = eos_token_ids(runner.config.eos_token_ids, builder.tokenizer)
         self.access_table = ChunkAccessTable(config.reuse.ca_window)
         talks = config.conversations
         self.conversations = ConversationStore(talks.ttl_s, talks.max_tokens, talks.max_count, talks.ram_bytes)
-        self.planner = Planner(self)
         self.variants = VariantIndex(config.reuse.cachecraft_variants_per_chunk, config.reuse.cachecraft_max_chunks)
         self.costs = CostMeter()
         self.prefill_stage = PrefillStage(runner, store, self.costs)
@@ -83,13 +78,17 @@ class Engine:
         self.prep = RequestPreparer(builder, self.access_table, store, self.keys, self.max_context,
                                     fused_temperatures(config.reuse.fused_temperature, weights_fingerprint(model_dir)),
                                     runner.config.vocab_size)
-        self.planning = PlanStage(self.planner, store, self.writer, self.costs, self.conversations, config)
+        self.planning = PlanStage(builder, self.keys, store, self.cptree, self.variants, self.conversations,
+                                  self.access_table, self.writer, self.precompute, self.costs, config)
         self.step = PrefillStep(self.planning, self.prefill_stage, self.writer)
         self.probes = FidelityProbes(runner, builder, self.prep, self._lock, self.step, config.reuse.convention)
         self.split = SplitPrefill(runner, self.prep, self.step, self._lock)  # vLLM connector
         c = runner.config
         kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
-        self.scheduler = Scheduler(runner, self._lock, self._begin, self._complete, config.batching.max_batch,
+        self.steps = SequenceSteps(self.step, runner, builder.decode,
+                                   eos_token_ids(runner.config.eos_token_ids, builder.tokenizer), self.max_context,
+                                   config.reuse.convention, self.conversations, self.precompute)
+        self.scheduler = Scheduler(runner, self._lock, self.steps, config.batching.max_batch,
                                    max(1, config.batching.kv_bytes // kv_row_bytes))
 
     @classmethod
@@ -115,6 +114,15 @@ class Engine:
 
     # --- identity ----------------------------------------------------------------------------
     @property
+    def eos_ids(self) -> set[int]:
+        """The token ids that end an answer (the scheduler's sequences stop on them)."""
+        return self.steps.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: set[int]) -> None:
+        self.steps.eos_ids = ids
+
+    @property
     def max_context(self) -> int:
         return self.runner.config.max_position_embeddings
 
@@ -123,9 +131,6 @@ class Engine:
              pool: Pool = None) -> int:
         """Precompute KV for chunks not cached yet (alone, or after `neighbours` passages: warm.py)."""
         return warm_chunks(self.builder, self.prep, self.precompute, chunks, system, tenant, neighbours, pool)
-
-    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
-        return self.precompute.precompute_chunk(chunk_seg, prefix, tenant)
 
     def wait_background(self) -> None:
         """Block until background precompute work queued so far is stored."""
@@ -188,49 +193,6 @@ class Engine:
         seq = Sequence(sampling, policy, tenant, prompt, None, total, t0, {"tokenize_s": time.perf_counter() - t0})
         self.scheduler.submit(seq)
         yield from seq.events()
-
-    def _begin(self, seq: Sequence) -> bool:
-        """Scheduler step (engine lock held): plan, prefill, keep what the prefill computed, sample
-        the first token. True while the sequence wants more tokens."""
-        started = time.perf_counter()
-        seq.times["queue_s"] = started - seq.t0 - seq.times.get("tokenize_s", 0.0)
-        planned = seq.planned
-        if planned is None:
-            assert seq.prompt is not None
-            planned = self.step.plan_to_fit(seq.prompt, seq.policy, seq.tenant, seq.sampling.max_tokens,
-                                            self.max_context)
-            seq.times["plan_s"] = time.perf_counter() - started
-        capacity = planned.plan.num_tokens + seq.sampling.max_tokens + 1
-        planned, result = self.step.prefill(planned, seq.policy, seq.prompt, seq.tenant, capacity, seq.times)
-        seq.planned = planned
-        assert result.logits is not None
-        stats = request_stats(planned, result, time.perf_counter() - seq.t0, seq.policy, seq.times,
-                              self.runner.num_layers, self.config.reuse.convention)
-        more = seq.begin_decoding(result.logits, result.kv, stats, self.builder.decode, self.eos_ids)
-        # the first token is out (its choice checked the logits are finite): what the prefill
-        # computed is kept now, off the time to first token, and before any decode step (or a
-        # next request) could want it
-        committed = time.perf_counter()
-        self.step.commit(planned, result, seq.tenant, check_logits=False)
-        seq.times["commit_s"] = time.perf_counter() - committed
-        return more
-
-    def _complete(self, seq: Sequence) -> None:
-        """Scheduler step after a sequence's last token: keep its conversation and queue its
-        background precompute, then post the result (a caller that acts on the result at once,
-        with a next turn or `wait_background`, finds both done)."""
-        assert seq.planned is not None and seq.kv is not None
-        if seq.prompt is not None and seq.prompt.conversation_id:
-            turn = conversation_after_turn(self.runner, seq.prompt, seq.planned, seq.kv, seq.generated, seq.tenant)
-            if not finite_kv(turn.history.keys, turn.history.values):
-                raise NonFiniteKVError(NON_FINITE_MESSAGE)  # the next turn would read it
-            self.conversations.put(turn)
-        for chunk_seg, prefix in seq.planned.background:
-            self.precompute.enqueue_background(chunk_seg, prefix, seq.tenant)
-        seq.finish()
-
-    def lookup(self, key: CacheKey) -> ChunkKV | None:  # planning's store read (plan_stage.py)
-        return self.planning.lookup(key)
 
     # --- housekeeping ------------------------------------------------------------------------
     def clear_cache(self, chunk_id: str | None = None, tenant: str | None = None) -> int:

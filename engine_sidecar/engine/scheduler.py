@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine_sidecar.engine.sequence import Sequence
@@ -25,6 +24,7 @@ from engine_sidecar.errors import EngineUnavailableError
 from engine_sidecar.execution.executor import decode_batch
 
 if TYPE_CHECKING:
+    from engine_sidecar.engine.sequence_steps import SequenceSteps
     from engine_sidecar.model.runner import ModelRunner
 
 log = logging.getLogger("ragcache.scheduler")
@@ -35,13 +35,13 @@ class SchedulerClosed(EngineUnavailableError):
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, lock: threading.RLock, begin: Callable[[Sequence], bool],
-                 complete: Callable[[Sequence], None], max_batch: int, kv_budget_tokens: int):
-        """`begin(seq)` plans and prefills a sequence and samples its first token (True while it
-        wants more); `complete(seq)` runs after its last token. Both run on the stepping thread
-        with `lock` held."""
+    def __init__(self, runner: ModelRunner, lock: threading.RLock, steps: SequenceSteps, max_batch: int,
+                 kv_budget_tokens: int):
+        """`steps.begin(seq)` plans and prefills a sequence and samples its first token (True while
+        it wants more); `steps.complete(seq)` runs after its last token. Both run on the stepping
+        thread with `lock` held."""
         self.runner, self.lock = runner, lock
-        self.begin, self.complete = begin, complete
+        self.steps = steps
         self.max_batch = max(1, max_batch)
         self.kv_budget_tokens = kv_budget_tokens
         self._cond = threading.Condition()
@@ -141,7 +141,7 @@ class Scheduler:
     def _prefill(self, seq: Sequence) -> None:
         self.steps_prefill += 1
         try:
-            more = self.begin(seq)
+            more = self.steps.begin(seq)
         except BaseException as exc:  # the request's own error (bad prompt, damaged file...)
             seq.release()
             seq.fail(exc)
@@ -184,7 +184,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence) -> None:
         try:
-            self.complete(seq)
+            self.steps.complete(seq)
         except BaseException as exc:
             seq.fail(exc)
         finally:

@@ -5,28 +5,43 @@ their ratio from the costs measured so far."""
 from __future__ import annotations
 
 from engine_sidecar.engine_config import EngineConfig
+from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.costs import CostMeter
 from engine_sidecar.execution.executor import is_tempered
 from engine_sidecar.execution.policies import CacheCraftPolicy, Policy
+from engine_sidecar.request.keys import KeyFactory
+from engine_sidecar.request.prompt import PromptBuilder, Segment
+from engine_sidecar.request.reorder import ChunkAccessTable
 from engine_sidecar.reuse.commit import ReuseWriter
 from engine_sidecar.reuse.conversation import ConversationStore
+from engine_sidecar.reuse.cptree import CPTree
 from engine_sidecar.reuse.planner import PlannedRequest, Planner
+from engine_sidecar.reuse.precompute import Precomputer
 from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.entry import CacheKey, ChunkKV
 from ragcache_integrations.types import ChunkedPrompt
 
 
 class PlanStage:
-    def __init__(self, planner: Planner, store: ChunkStore, writer: ReuseWriter, costs: CostMeter,
-                 conversations: ConversationStore, config: EngineConfig):
-        self.planner, self.store, self.writer, self.costs = planner, store, writer, costs
-        self.conversations, self.config = conversations, config
+    """The owner of planning's reads: it holds the caches and indexes a plan is made from and
+    hands itself to the Planner as its PlanningState, so planning never sees the Engine."""
+
+    def __init__(self, builder: PromptBuilder, keys: KeyFactory, store: ChunkStore, cptree: CPTree,
+                 variants: VariantIndex, conversations: ConversationStore, access_table: ChunkAccessTable,
+                 writer: ReuseWriter, precomputer: Precomputer, costs: CostMeter, config: EngineConfig):
+        self.builder, self.keys, self.store, self.cptree, self.variants = builder, keys, store, cptree, variants
+        self.conversations, self.access_table, self.config = conversations, access_table, config
+        self.writer, self.precomputer, self.costs = writer, precomputer, costs
         self.lazy_reads = False  # set only while this stage is planning
+        self.planner = Planner(self)
 
     def lookup(self, key: CacheKey) -> ChunkKV | None:
         """A store read during planning: disk-tier entries stay on disk for layer-wise prefetch
         when this request allows it."""
         return self.store.get(key, lazy=self.lazy_reads)
+
+    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
+        return self.precomputer.precompute_chunk(chunk_seg, prefix, tenant)
 
     def plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, lazy: bool = True) -> PlannedRequest:
         disk_hits, redis_hits = self.store.hits_disk, self.store.hits_redis

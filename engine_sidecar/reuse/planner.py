@@ -37,7 +37,7 @@ from ragcache_integrations.types import ChunkedPrompt
 
 
 class PlanningState(Protocol):
-    """What planning reads: the caches, the indexes and the settings (the engine passes itself).
+    """What planning reads: the caches, the indexes and the settings (PlanStage, which owns them).
     Planning still inserts CP-Tree nodes, rewards Cache-Craft variants and (with inline
     precompute) stores chunk KV; everything a prefill computes is stored by the engine after it
     succeeds."""

@@ -1,0 +1,66 @@
+"""What the scheduler runs for one sequence: its prefill step (plan, prefill, first token, then
+the commit of what the prefill computed) and its completion (its conversation kept, its background
+precompute queued, its result posted). Both run on the stepping thread with the engine lock held."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from engine_sidecar.engine.sequence import Sequence
+from engine_sidecar.engine.stats import request_stats
+from engine_sidecar.engine.step import PrefillStep
+from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError
+from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.reuse.conversation import ConversationStore
+from engine_sidecar.reuse.precompute import Precomputer
+from engine_sidecar.reuse.turn_history import conversation_after_turn
+from engine_sidecar.store.entry import finite_kv
+
+
+class SequenceSteps:
+    def __init__(self, step: PrefillStep, runner: ModelRunner, decode: Callable[[list[int]], str], eos_ids: set[int],
+                 max_context: int, convention: str, conversations: ConversationStore, precompute: Precomputer):
+        self.step, self.runner, self.decode, self.eos_ids = step, runner, decode, eos_ids
+        self.max_context, self.convention = max_context, convention
+        self.conversations, self.precompute = conversations, precompute
+
+    def begin(self, seq: Sequence) -> bool:
+        """Scheduler step (engine lock held): plan, prefill, keep what the prefill computed, sample
+        the first token. True while the sequence wants more tokens."""
+        started = time.perf_counter()
+        seq.times["queue_s"] = started - seq.t0 - seq.times.get("tokenize_s", 0.0)
+        planned = seq.planned
+        if planned is None:
+            assert seq.prompt is not None
+            planned = self.step.plan_to_fit(seq.prompt, seq.policy, seq.tenant, seq.sampling.max_tokens,
+                                            self.max_context)
+            seq.times["plan_s"] = time.perf_counter() - started
+        capacity = planned.plan.num_tokens + seq.sampling.max_tokens + 1
+        planned, result = self.step.prefill(planned, seq.policy, seq.prompt, seq.tenant, capacity, seq.times)
+        seq.planned = planned
+        assert result.logits is not None
+        stats = request_stats(planned, result, time.perf_counter() - seq.t0, seq.policy, seq.times,
+                              self.runner.num_layers, self.convention)
+        more = seq.begin_decoding(result.logits, result.kv, stats, self.decode, self.eos_ids)
+        # the first token is out (its choice checked the logits are finite): what the prefill
+        # computed is kept now, off the time to first token, and before any decode step (or a
+        # next request) could want it
+        committed = time.perf_counter()
+        self.step.commit(planned, result, seq.tenant, check_logits=False)
+        seq.times["commit_s"] = time.perf_counter() - committed
+        return more
+
+    def complete(self, seq: Sequence) -> None:
+        """Scheduler step after a sequence's last token: keep its conversation and queue its
+        background precompute, then post the result (a caller that acts on the result at once,
+        with a next turn or `wait_background`, finds both done)."""
+        assert seq.planned is not None and seq.kv is not None
+        if seq.prompt is not None and seq.prompt.conversation_id:
+            turn = conversation_after_turn(self.runner, seq.prompt, seq.planned, seq.kv, seq.generated, seq.tenant)
+            if not finite_kv(turn.history.keys, turn.history.values):
+                raise NonFiniteKVError(NON_FINITE_MESSAGE)  # the next turn would read it
+            self.conversations.put(turn)
+        for chunk_seg, prefix in seq.planned.background:
+            self.precompute.enqueue_background(chunk_seg, prefix, seq.tenant)
+        seq.finish()
