@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine_sidecar.engine_config import flags
+from engine_sidecar.engine_config import FlagSetting, flags
 
 
 def non_negative(text: str) -> float:
@@ -55,19 +55,28 @@ def fused_temperature_arg(text: str) -> str | float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-_PARSERS: dict[str, Callable[[str], Any]] = {"path": Path, "non_negative": non_negative, "whole": whole_number,
-                                              "positive": positive_int, "temperature": fused_temperature_arg}
+def above_zero(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine's flags, generated from EngineConfig: each setting's flag, help and default are
-    written once, in engine_config.py."""
-    for setting in flags():
+_PARSERS: dict[str, Callable[[str], Any]] = {"path": Path, "non_negative": non_negative, "above_zero": above_zero,
+                                              "whole": whole_number, "positive": positive_int,
+                                              "temperature": fused_temperature_arg}
+
+
+def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, settings: list[FlagSetting]) -> None:
+    """Each setting's flag, with its help and its default (in the flag's unit) from the config."""
+    for setting in settings:
         flag = setting.flag
         if flag.negates:
             p.add_argument(flag.name, action="store_true", help=flag.help)
             continue
-        default = setting.field.default / (1 << 30) if flag.gib else setting.field.default
+        default = setting.field.default
+        if flag.unit != 1:
+            default = default / flag.unit
         shown = "" if default is None else f" (default: {default:g})" if isinstance(default, float) \
             else f" (default: {default})"
         options: dict[str, Any] = {"default": default, "help": flag.help + shown}
@@ -78,18 +87,29 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag.name, **options)
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine's settings from parsed engine flags, by flat keyword."""
+def options_from(args: argparse.Namespace, settings: list[FlagSetting]) -> dict[str, Any]:
+    """The settings' values from parsed flags, by each setting's keyword."""
     options: dict[str, Any] = {}
-    for setting in flags():
+    for setting in settings:
         flag = setting.flag
         value = getattr(args, flag.name.removeprefix("--").replace("-", "_"))
         if flag.negates:
             value = not value
-        elif flag.gib:
-            value = int(value * (1 << 30))
+        elif flag.unit != 1:
+            value = type(setting.field.default)(value * flag.unit)
         options[setting.flat] = value
     return options
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's flags, generated from EngineConfig: each setting's flag, help and default are
+    written once, in engine_config.py."""
+    add_flags(p, flags())
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's settings from parsed engine flags, by flat keyword."""
+    return options_from(args, flags())
 
 
 def engine_from_args(args: argparse.Namespace):

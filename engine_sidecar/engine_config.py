@@ -23,7 +23,8 @@ FLAT = "flat"  # field metadata: the setting's flat keyword name, where it diffe
 FLAG = "flag"  # field metadata: the setting's command-line flag (a Flag), where it has one
 
 # how a flag's text becomes the setting's value (engine_args maps each to an argparse type)
-Parse = Literal["text", "path", "non_negative", "whole", "positive", "temperature"]
+Parse = Literal["text", "path", "non_negative", "above_zero", "whole", "positive", "temperature"]
+GIB, MIB = 1 << 30, 1 << 20
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Flag:
     name: str  # "--ram-cache-gb"
     help: str  # what it does; the default is appended from the field
     parse: Parse = "text"
-    gib: bool = False  # the flag takes GiB, the setting holds bytes
+    unit: int = 1  # the setting's units per unit of the flag (GIB: the flag takes GiB, the setting bytes)
     negates: bool = False  # a setting on by default, which this flag turns off
 
 
@@ -58,9 +59,9 @@ class StoreConfig:
                                                 parse="path"))
     disk: bool = setting(True, Flag("--no-disk", "keep chunk KV in RAM only", negates=True))
     ram_bytes: int = setting(2 << 30, Flag("--ram-cache-gb", "RAM tier capacity in GiB (on a GPU, device memory)",
-                                           parse="non_negative", gib=True), flat="ram_cache_bytes")
+                                           parse="non_negative", unit=GIB), flat="ram_cache_bytes")
     disk_bytes: int = setting(20 << 30, Flag("--disk-cache-gb", "disk tier budget in GiB, least recently used files "
-                                             "removed first (0 = unlimited)", parse="non_negative", gib=True),
+                                             "removed first (0 = unlimited)", parse="non_negative", unit=GIB),
                               flat="disk_cache_bytes")
     prefetch: bool = setting(True, Flag("--no-prefetch", "read disk-tier chunk KV whole before the prefill instead "
                                         "of layer by layer during it", negates=True))
@@ -112,7 +113,7 @@ class ConversationConfig:
                                       "recently used out first (0 keeps none)", parse="whole"),
                              flat="conversation_max_count")
     ram_bytes: int = setting(512 << 20, Flag("--conversation-ram-gb", "RAM for all kept conversations' KV "
-                                             "together, apart from --ram-cache-gb", parse="non_negative", gib=True),
+                                             "together, apart from --ram-cache-gb", parse="non_negative", unit=GIB),
                              flat="conversation_ram_bytes")
 
 
@@ -124,7 +125,7 @@ class BatchingConfig:
                                       "at a time)", parse="positive"))
     kv_bytes: int = setting(4 << 30, Flag("--batch-kv-gb", "KV of the running requests together, prompt + "
                                           "max_tokens each; a request that does not fit waits (one always runs)",
-                                          parse="non_negative", gib=True), flat="batch_kv_bytes")
+                                          parse="non_negative", unit=GIB), flat="batch_kv_bytes")
 
 
 @dataclass
@@ -187,17 +188,26 @@ class FlagSetting:
 
 
 def flags() -> list[FlagSetting]:
-    """Every setting that has a flag, in the config's order."""
+    """Every engine setting that has a flag, in the config's order."""
     out = []
     where = {spot: name for name, spot in flat_options().items()}
     part_types = parts()
     for top in dataclasses.fields(EngineConfig):
-        owner = part_types.get(top.name, EngineConfig)
-        hints = typing.get_type_hints(owner)
-        for f in dataclasses.fields(owner) if owner is not EngineConfig else (top,):
-            if FLAG in f.metadata:
-                hint = hints[f.name]
-                choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
-                out.append(FlagSetting(where[(top.name if owner is not EngineConfig else None, f.name)], f,
-                                       f.metadata[FLAG], choices))
+        if top.name in part_types:
+            out += [dataclasses.replace(s, flat=where[(top.name, s.field.name)])
+                    for s in dataclass_flags(part_types[top.name])]
+        elif FLAG in top.metadata:
+            out += [s for s in dataclass_flags(EngineConfig) if s.field.name == top.name]
+    return out
+
+
+def dataclass_flags(cls: type) -> list[FlagSetting]:
+    """The fields of one dataclass that have a flag (keyed by field name), in its order."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if FLAG in f.metadata:
+            hint = hints[f.name]
+            choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+            out.append(FlagSetting(f.name, f, f.metadata[FLAG], choices))
     return out

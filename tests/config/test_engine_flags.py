@@ -45,8 +45,8 @@ def _a_value(setting) -> tuple[list[str], object]:
     flag, default = setting.flag, setting.field.default
     if flag.negates:
         return [flag.name], not default
-    if flag.gib:
-        return [flag.name, "0.25"], 1 << 28
+    if flag.unit != 1:
+        return [flag.name, "0.25"], flag.unit // 4
     if setting.choices:
         other = next(c for c in setting.choices if c != default)
         return [flag.name, other], other
@@ -54,6 +54,7 @@ def _a_value(setting) -> tuple[list[str], object]:
         "positive": ([flag.name, "3"], 3),
         "whole": ([flag.name, "0"], 0),
         "non_negative": ([flag.name, "7.5"], 7.5),
+        "above_zero": ([flag.name, "7.5"], 7.5),
         "temperature": ([flag.name, "off"], "off"),
         "path": ([flag.name, "/tmp/kv-elsewhere"], Path("/tmp/kv-elsewhere")),
         "text": ([flag.name, "given-on-the-command-line"], "given-on-the-command-line"),
@@ -81,3 +82,26 @@ def test_a_bad_value_is_refused_by_the_parser():
         _parser().parse_args(["--max-batch", "0"])
     with pytest.raises(argparse.ArgumentError, match="invalid choice"):
         _parser().parse_args(["--precompute", "sometimes"])
+
+
+def test_serve_flags_come_from_the_server_settings(monkeypatch):
+    """`ragcache serve`'s operator flags are generated from ServerSettings the same way: no flags
+    give its defaults, and each flag reaches its own field."""
+    from engine_sidecar.engine_config import dataclass_flags
+    from engine_sidecar.server.serve_args import add_serve_arguments, settings_from_args
+    from engine_sidecar.server.settings import ServerSettings
+
+    monkeypatch.delenv("RAGCACHE_API_KEY", raising=False)  # the key's fallback when no flag gives one
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_serve_arguments(parser)
+    options = {opt for action in parser._actions for opt in action.option_strings}
+    generated = dataclass_flags(ServerSettings)
+    assert {s.flag.name for s in generated} <= options and len(generated) == 8
+    assert settings_from_args(parser.parse_args([]), "ragcache") == ServerSettings()
+    for setting in generated:
+        words, value = _a_value(setting)
+        got = dataclasses.asdict(settings_from_args(parser.parse_args(words), "ragcache"))
+        changed = {k: v for k, v in got.items() if dataclasses.asdict(ServerSettings())[k] != v}
+        assert list(changed.values()) == [value], (words, changed)
+    with pytest.raises(argparse.ArgumentError, match="above 0"):
+        parser.parse_args(["--request-timeout", "-1"])

@@ -67,7 +67,8 @@ def test_taken_port_fails_fast_and_says_why(tiny_llama_dir, tmp_path):
 def test_bad_serve_flags_are_refused_before_the_model_loads(tmp_path, flag, value):
     result = subprocess.run([sys.executable, "-m", "engine_sidecar.cli", "serve", "--model", str(tmp_path / "none"),
                              flag, value], capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "ragcache: error:" in result.stderr and flag in result.stderr
+    assert result.returncode != 0 and "error:" in result.stderr and flag in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_a_sidecar_dies_with_its_killed_parent(tiny_llama_dir, tmp_path):
