@@ -68,8 +68,13 @@ class Policy:
     name = "policy"
     uses_cache = True  # looks up cached KV at all
     fuses = True  # places cached chunk KV at new positions (else only exact prefix reuse)
-    # `ratio` is set by the engine per request from measured costs (`<policy>:auto`, costs.py)
+    # the recompute share, for the policies that have one; under `<policy>:auto` the engine sets it
+    # per request from measured costs (costs.py)
+    ratio = 1.0
     auto = False
+    # keeps chunk variants recorded inside requests (Cache-Craft): planning picks among a chunk's
+    # variants instead of its in-context entry, and a variant is never promoted to a CP-Tree node
+    records_variants = False
     needs_cached_kv = False  # reads every cached layer before layer 0 (no layer-wise prefetch)
     # the layer-0 active set is never shrunk by `refine`: cached rows of those tokens are never
     # read, so a chunk on disk can be loaded without them (sparse load)
@@ -259,6 +264,8 @@ class CacheCraftPolicy(Policy):
     `window` layers, unfocused chunks stop being recomputed. When even the best variant's CFO
     reaches `fresh_above`, the chunk is computed in this request's context and becomes another
     variant."""
+
+    records_variants = True
 
     name = "cachecraft"
 

@@ -8,7 +8,7 @@ from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.costs import CostMeter
 from engine_sidecar.execution.executor import is_tempered
-from engine_sidecar.execution.policies import CacheCraftPolicy, Policy
+from engine_sidecar.execution.policies import Policy
 from engine_sidecar.request.keys import KeyFactory
 from engine_sidecar.request.prompt import PromptBuilder, Segment
 from engine_sidecar.request.reorder import ChunkAccessTable
@@ -45,7 +45,7 @@ class PlanStage:
 
     def plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, lazy: bool = True) -> PlannedRequest:
         disk_hits, redis_hits = self.store.hits_disk, self.store.hits_redis
-        if isinstance(policy, CacheCraftPolicy):
+        if policy.records_variants:
             self.writer.load_variants()
         # policies that read every cached layer before layer 0 (CacheTune's scores) load eagerly
         self.lazy_reads = lazy and self.config.store.prefetch and not policy.needs_cached_kv
@@ -64,10 +64,10 @@ class PlanStage:
             # r0 for the slowest tier this request's cached KV came from (costs.py)
             tier = ("redis" if self.store.hits_redis > redis_hits else
                     "disk" if self.store.hits_disk > disk_hits else "ram")
-            policy.ratio = self.costs.ratio(tier)  # type: ignore[attr-defined]
+            policy.ratio = self.costs.ratio(tier)
             compute = f"{self.costs.compute * 1e3:.3f} ms" if self.costs.compute is not None else "not measured yet"
             load = f"{self.costs.load[tier] * 1e6:.2f} us" if tier in self.costs.load else "not measured yet"
-            planned.plan.notes.append(f"auto ratio {policy.ratio:.3f} for the {tier} tier "  # type: ignore[attr-defined]
+            planned.plan.notes.append(f"auto ratio {policy.ratio:.3f} for the {tier} tier "
                                       f"(per token: compute {compute}, load {load})")
         return planned
 

@@ -265,7 +265,7 @@ class Planner:
         if self._promote(out, span, seg, i, chain_before, walk, request):
             return
         walk.extending = False
-        if isinstance(policy, CacheCraftPolicy):
+        if policy.records_variants:
             self._craft(out, span, request.digests[i], tuple(request.digests[:i]), tenant, policy)
         elif policy.uses_cache and policy.fuses:
             self._fuse_or_miss(out, span, seg, request.prefix, tenant, chain_before, peeked)
@@ -293,7 +293,7 @@ class Planner:
         # A chunk computed with full attention anyway (exact-reuse policies, or a fusion
         # miss) becomes a node for free; a chunk fusion could reuse costs a full compute
         # of the chunk instead, so it waits for a higher access count.
-        fusable = policy.fuses and (isinstance(policy, CacheCraftPolicy)
+        fusable = policy.fuses and (policy.records_variants
                                     or self._fusable(seg, request.prefix, tenant))
         reuse = engine.config.reuse
         threshold = reuse.fusion_promote_threshold if fusable else reuse.promote_threshold
@@ -304,7 +304,7 @@ class Planner:
         # (proposed here, inserted by the engine after the prefill stored its KV)
         node = engine.cptree.propose(walk.parent, walk.root, walk.edges[i], seg.chunk_id, tenant)
         out.new_nodes.append((len(out.plan.spans), node))
-        if policy.fuses and not fusable and not isinstance(policy, CacheCraftPolicy):
+        if policy.fuses and not fusable and not policy.records_variants:
             # the same KV serves fusion when the chunk comes back elsewhere
             out.in_place.append((len(out.plan.spans), engine.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT),
                                  chain_before))
@@ -316,7 +316,7 @@ class Planner:
 
     def _in_place_entry(self, seg: Segment, tenant: str, policy: Policy) -> ChunkKV | None:
         """The chunk's KV computed in place by an earlier request (fusion policies only)."""
-        if not (policy.uses_cache and policy.fuses) or isinstance(policy, CacheCraftPolicy):
+        if not (policy.uses_cache and policy.fuses) or policy.records_variants:
             return None
         return self.state.lookup(self.state.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT))
 
