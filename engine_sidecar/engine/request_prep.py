@@ -3,7 +3,6 @@ its chunks counted in the CA-Table and put in the requested order."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 
 from engine_sidecar.errors import InvalidPromptError, PromptTooLongError
@@ -45,9 +44,7 @@ class RequestPreparer:
         prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
         sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
         self.check_sampling(sampling)
-        # a Policy the caller passes is a spec: each request selects with its own copy (an `:auto`
-        # ratio, prophet's picks), so the caller's object never carries one request's state
-        pol = copy.copy(policy) if isinstance(policy, Policy) else parse_policy(policy, self.temperatures)
+        pol = policy if isinstance(policy, Policy) else parse_policy(policy, self.temperatures)
         check_order(order)
         # counts are per tenant: one tenant's traffic must not reorder (or reveal) another's chunks
         self.access_table.record([access_key(tenant, c.id or "") for c in prompt.chunks])

@@ -303,19 +303,3 @@ def test_bad_probe_tags_are_clear_errors(spec):
         parse_policy_spec(spec)
     with pytest.raises(InvalidPromptError):
         parse_policy(spec)
-
-
-def test_a_policy_object_the_caller_passes_is_a_spec_it_keeps_unchanged(tiny_engine):
-    """Each request selects with its own copy of a Policy the caller passes: the caller's object
-    holds no request's selection afterwards, and two requests with it give what two requests with
-    the spec string give."""
-    prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
-    tiny_engine.warm(PASSAGES)
-    spec = parse_policy("prophet:0.3")
-    assert spec.selected.numel() == 0
-    first = tiny_engine.generate(prompt, {"max_tokens": 3, "temperature": 0}, policy=spec)
-    second = tiny_engine.generate(prompt, {"max_tokens": 3, "temperature": 0}, policy=spec)
-    assert spec.selected.numel() == 0
-    by_name = tiny_engine.generate(prompt, {"max_tokens": 3, "temperature": 0}, policy="prophet:0.3")
-    assert first.token_ids == second.token_ids == by_name.token_ids
-    assert first.stats.tokens_recomputed == by_name.stats.tokens_recomputed > 0
