@@ -67,7 +67,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {"path": Path, "non_negative": non_n
                                               "temperature": fused_temperature_arg}
 
 
-def add_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, settings: list[FlagSetting]) -> None:
+def add_flags(p: argparse.ArgumentParser, settings: list[FlagSetting]) -> None:
     """Each setting's flag, with its help and its default (in the flag's unit) from the config."""
     for setting in settings:
         flag = setting.flag
