@@ -152,20 +152,21 @@ def test_bench_reports_divergence_oracle_and_noise_floor(tiny_llama_dir, tmp_pat
     assert "Per-layer divergence" in md and "| full@bf16 |" in md and "of its picks sit in the first 16" in md
 
 
-def test_oracle_and_noise_floor_refuse_follow_up(tiny_llama_dir, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", "2", "--k", "3",
-         "--policies", "full,oracle:0.15", "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk",
+def _fidelity_follow_up(model_dir, n: str, policies: str) -> subprocess.CompletedProcess:
+    """`ragcache bench fidelity --follow-up` on the tiny model, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", n, "--k", "3",
+         "--policies", policies, "--model", str(model_dir), "--no-transformers", "--no-disk",
          "--max-tokens", "2", "--follow-up"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
+
+
+def test_oracle_and_noise_floor_refuse_follow_up(tiny_llama_dir):
+    proc = _fidelity_follow_up(tiny_llama_dir, "2", "full,oracle:0.15")
     assert proc.returncode != 0 and "follow-up" in proc.stderr
 
 
-def test_follow_up_with_one_question_is_one_line_error(tiny_llama_dir, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--n", "1", "--k", "3",
-         "--policies", "full,reuse", "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk",
-         "--max-tokens", "2", "--follow-up"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
+def test_follow_up_with_one_question_is_one_line_error(tiny_llama_dir):
+    proc = _fidelity_follow_up(tiny_llama_dir, "1", "full,reuse")
     assert proc.returncode != 0 and "at least two questions" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
