@@ -5,6 +5,8 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ragcache-installed
 export HF_HUB_OFFLINE := 1
+# two virtualenvs of ~3.4 GB each fill small disks; pip's wheel cache would add their downloads again
+export PIP_NO_CACHE_DIR := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster
