@@ -127,10 +127,12 @@ class WarmRequest(_Body):
     chunks: list[Chunk]
     system: str | None = Field(default=None, description="System prompt the chunks will be used with")
     tenant: str | None = _tenant_field()
-    neighbours: int = Field(default=0, ge=0, le=8, description=(
+    neighbours: int | None = Field(default=None, ge=0, le=8, description=(
         "Compute each chunk after the template prefix and its N most similar chunks of this request "
         "(TF-IDF over token ids) instead of alone; fusion prefers that KV, and it is closer to full "
-        "prefill's (docs/benchmarks.md). 0: each chunk alone. Not available with --engine vllm"))
+        "prefill's (docs/benchmarks.md). Unset: 2 when the request holds two or more distinct "
+        "chunks (a document's passages warmed together) and the engine supports it, else 0. "
+        "0: each chunk alone. N > 0 is not available with --engine vllm"))
 
     _strings = field_validator("chunks", mode="before")(classmethod(lambda cls, v: _chunks_from_strings(v)))
 
@@ -138,6 +140,11 @@ class WarmRequest(_Body):
 class WarmResponse(BaseModel):
     chunks: int = Field(description="Chunks in the request")
     computed: int = Field(description="Chunks whose KV was computed now (the rest were cached)")
+    neighbours: int = Field(default=0, description="Passages each chunk was computed after (0: alone)")
+    tokens_prefilled: int = Field(default=0, description=(
+        "Tokens prefilled to compute them: their own, their neighbours' and a template prefix not "
+        "cached yet (warming after N neighbours costs about N + 1 times a chunk's own tokens)"))
+    seconds: float = Field(default=0.0, description="Time the warm-up took in the engine")
 
 
 class CacheStats(BaseModel):

@@ -122,7 +122,7 @@ def _generate_body(prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict
     return request.model_dump(mode="json", exclude_none=True)
 
 
-def _warm_body(chunks: list[Chunk | str], system: str | None, neighbours: int = 0) -> dict[str, Any]:
+def _warm_body(chunks: list[Chunk | str], system: str | None, neighbours: int | None = None) -> dict[str, Any]:
     return WarmRequest(chunks=chunks, system=system, neighbours=neighbours).model_dump(mode="json", exclude_none=True)
 
 
@@ -322,9 +322,11 @@ class RagCacheClient:
         self.last_result = state.result()
 
     def warm(self, chunks: list[Chunk | str], system: str | None = None, tenant: str | None = None,
-             neighbours: int = 0) -> WarmResponse:
-        """Precompute chunks' KV; `neighbours` > 0 computes each after its most similar chunks of
-        this call (closer to full prefill when they are later retrieved together)."""
+             neighbours: int | None = None) -> WarmResponse:
+        """Precompute chunks' KV. Pass passages known together (a document's) in one call: each is
+        computed after its `neighbours` most similar chunks of this call (unset: 2 when there are
+        two or more, the server's default), which is closer to full prefill when they are later
+        retrieved together; 0 computes each alone. The response says what it cost."""
         body = _warm_body(chunks, system, neighbours)
         return WarmResponse.model_validate(
             self._json("POST", "/v1/chunks/warm", json=body, headers=_tenant(tenant)))
@@ -445,7 +447,7 @@ class AsyncRagCacheClient:
         self.last_result = state.result()
 
     async def warm(self, chunks: list[Chunk | str], system: str | None = None,
-                   tenant: str | None = None, neighbours: int = 0) -> WarmResponse:
+                   tenant: str | None = None, neighbours: int | None = None) -> WarmResponse:
         body = _warm_body(chunks, system, neighbours)
         return WarmResponse.model_validate(
             await self._json("POST", "/v1/chunks/warm", json=body, headers=_tenant(tenant)))

@@ -24,7 +24,7 @@ from engine_sidecar.engine.sequence import GenerationStream, Sequence
 from engine_sidecar.engine.sequence_steps import SequenceSteps
 from engine_sidecar.engine.split_prefill import SplitPrefill
 from engine_sidecar.engine.step import PrefillStep
-from engine_sidecar.engine.warm import Pool, warm_chunks
+from engine_sidecar.engine.warm import Pool, WarmReport, warm_chunks
 from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.calibration import resolve as fused_temperatures
@@ -129,7 +129,14 @@ class Engine:
     # --- precompute --------------------------------------------------------------------------
     def warm(self, chunks: list[Chunk | str], system: str | None = None, tenant: str = "", neighbours: int = 0,
              pool: Pool = None) -> int:
-        """Precompute KV for chunks not cached yet (alone, or after `neighbours` passages: warm.py)."""
+        """Precompute KV for chunks not cached yet (alone, or after `neighbours` passages: warm.py);
+        how many were computed."""
+        return self.warm_report(chunks, system, tenant, neighbours, pool).computed
+
+    def warm_report(self, chunks: list[Chunk | str], system: str | None = None, tenant: str = "",
+                    neighbours: int | None = None, pool: Pool = None) -> WarmReport:
+        """`warm` with what it did and cost; `neighbours` None: two where the pool (default: these
+        chunks) has passages to choose from, as the server and the `ragcache warm` command do."""
         return warm_chunks(self.builder, self.prep, self.precompute, chunks, system, tenant, neighbours, pool)
 
     def wait_background(self) -> None:

@@ -4,7 +4,9 @@ it already."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine_sidecar.engine.request_prep import RequestPreparer
 from engine_sidecar.errors import InvalidPromptError
@@ -15,6 +17,9 @@ from ragcache_integrations.types import Chunk, ChunkedPrompt
 
 DEFAULT_SYSTEM = ChunkedPrompt.model_fields["system"].default
 MAX_NEIGHBOURS = 8
+# what a warm-up that leaves `neighbours` unset uses when it has passages to choose from: the
+# only N that beat KV computed alone on both QA sets' calibration splits (docs/benchmarks.md)
+DEFAULT_NEIGHBOURS = 2
 
 Pool = Sequence[Chunk | str] | NeighbourIndex | None
 
@@ -23,17 +28,35 @@ def _chunk(raw: Chunk | str) -> Chunk:
     return Chunk(text=raw) if isinstance(raw, str) else raw
 
 
+@dataclass(frozen=True)
+class WarmReport:
+    """What a warm-up did and what it cost."""
+
+    chunks: int  # handed over
+    computed: int  # computed now (the rest were cached already)
+    neighbours: int  # passages each chunk was computed after (0: alone)
+    tokens_prefilled: int  # what those chunks cost: their own tokens, their neighbours' and a new template's
+    seconds: float
+
+
+def auto_neighbours(passages: int) -> int:
+    """The neighbours a warm-up of `passages` distinct passages known together uses when the
+    caller leaves them unset: none for a lone passage, which has nothing to be computed after."""
+    return DEFAULT_NEIGHBOURS if passages >= 2 else 0
+
+
 def neighbour_index(builder: PromptBuilder, chunks: Sequence[Chunk | str]) -> NeighbourIndex:
     """A pool of passages to choose warm-up neighbours from; build it once for many warm calls."""
     return NeighbourIndex.build([builder.chunk_segment(_chunk(c)) for c in chunks])
 
 
 def warm_chunks(builder: PromptBuilder, prep: RequestPreparer, precompute: Precomputer, chunks: list[Chunk | str],
-                system: str | None, tenant: str, neighbours: int = 0, pool: Pool = None) -> int:
-    """How many chunks were computed (the rest were cached already). With `neighbours` > 0 each
-    chunk is computed after the template prefix and its `neighbours` most similar passages of
-    `pool` (default: these chunks) and kept as its in-context entry."""
-    if not 0 <= neighbours <= MAX_NEIGHBOURS:
+                system: str | None, tenant: str, neighbours: int | None = 0, pool: Pool = None) -> WarmReport:
+    """Each chunk not cached yet computed and stored. With `neighbours` > 0 each is computed after
+    the template prefix and its `neighbours` most similar passages of `pool` (default: these
+    chunks) and kept as its in-context entry; None picks `auto_neighbours` of the pool."""
+    started = time.perf_counter()
+    if neighbours is not None and not 0 <= neighbours <= MAX_NEIGHBOURS:
         raise InvalidPromptError(f"neighbours must be 0 to {MAX_NEIGHBOURS}, got {neighbours}")
     prefix = builder.prefix_segment(system if system is not None else DEFAULT_SYSTEM)
     segs: list[Segment] = []
@@ -41,15 +64,20 @@ def warm_chunks(builder: PromptBuilder, prep: RequestPreparer, precompute: Preco
         seg = builder.chunk_segment(_chunk(raw))
         prep.check_chunk_fits(seg, i)
         segs.append(seg)
-    if not neighbours:
-        return sum(precompute.warm_segment(seg, prefix, tenant) for seg in segs)
-    index = pool if isinstance(pool, NeighbourIndex) else NeighbourIndex.build(
-        segs if pool is None else [builder.chunk_segment(_chunk(c)) for c in pool])
-    computed = 0
+    index = None
+    if neighbours != 0:
+        index = pool if isinstance(pool, NeighbourIndex) else NeighbourIndex.build(
+            segs if pool is None else [builder.chunk_segment(_chunk(c)) for c in pool])
+        neighbours = auto_neighbours(len(index.segments)) if neighbours is None else neighbours
+    tokens = []
     for seg in segs:
+        if index is None or not neighbours:
+            tokens.append(precompute.warm_segment(seg, prefix, tenant))
+            continue
         context = index.nearest(seg, neighbours)
         # the least similar neighbours give way first when the window cannot hold them all
         while context and len(prefix.token_ids) + sum(len(s.token_ids) for s in [*context, seg]) >= prep.max_context:
             context = context[1:]
-        computed += precompute.warm_after_neighbours(seg, prefix, context, tenant)
-    return computed
+        tokens.append(precompute.warm_after_neighbours(seg, prefix, context, tenant))
+    return WarmReport(len(segs), sum(1 for t in tokens if t), neighbours or 0, sum(tokens),
+                      time.perf_counter() - started)

@@ -60,21 +60,24 @@ class Precomputer:
             self.writer.store_span(result.kv, spans[0], tenant, "exact")
         return result
 
-    def warm_segment(self, seg: Segment, prefix: Segment, tenant: str) -> bool:
+    def warm_segment(self, seg: Segment, prefix: Segment, tenant: str) -> int:
+        """The chunk computed alone and stored; the tokens that prefilled (0: it was cached)."""
         key = self.keys.for_tokens(seg.token_ids, tenant, self.keys.chunk_context(prefix))
         with self._lock:
             if self.store.contains(key):
-                return False
-            self.store.put(key, self.compute_chunk_kv(seg, prefix, tenant))
-        return True
+                return 0
+            entry, token_layers = self.precompute_chunk(seg, prefix, tenant)
+            self.store.put(key, entry)
+        return token_layers // self.runner.num_layers
 
-    def warm_after_neighbours(self, seg: Segment, prefix: Segment, neighbours: list[Segment], tenant: str) -> bool:
+    def warm_after_neighbours(self, seg: Segment, prefix: Segment, neighbours: list[Segment], tenant: str) -> int:
         """The chunk computed after the template prefix and `neighbours`, kept as its in-context
-        entry (the KV fusion prefers): what a request retrieving it with them would compute."""
+        entry (the KV fusion prefers): what a request retrieving it with them would compute.
+        Returns the tokens that prefilled, the neighbours' included (0: it was cached)."""
         key = self.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT)
         with self._lock:
             if self.store.contains(key):
-                return False
+                return 0
             spans = [self._prefix_span(prefix, tenant)]
             for other in [*neighbours, seg]:
                 spans.append(PlanSpan("chunk", spans[-1].end, other.token_ids, "fresh", chunk_id=other.chunk_id))
@@ -83,7 +86,7 @@ class Precomputer:
             meta = {"context": IN_CONTEXT, "start": str(spans[-1].start), "warmed": "neighbours",
                     "after_chunks": ",".join(n.chunk_id or "" for n in neighbours)}
             self.writer.store_span(result.kv, spans[-1], tenant, IN_CONTEXT, meta)
-        return True
+        return result.token_layers_computed // self.runner.num_layers
 
     def _background_loop(self) -> None:
         while True:

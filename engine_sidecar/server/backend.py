@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from engine_sidecar.engine.sequence import GenerationStream
-from engine_sidecar.engine.warm import neighbour_index
+from engine_sidecar.engine.warm import WarmReport, auto_neighbours, neighbour_index
 from engine_sidecar.server.errors import ApiError
 from ragcache_integrations.api_models import CacheStats
 from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, SamplingParams
@@ -53,9 +53,11 @@ class ServingBackend(Protocol):
     def chat(self, messages: list[dict[str, str]], sampling: SamplingParams, tenant: str) -> Iterator[Event]: ...
 
     def warm(self, chunks: list[Chunk], system: str | None, tenant: str, neighbours: int = 0,
-             pool: Any = None) -> int: ...
+             pool: Any = None) -> WarmReport: ...
 
-    def neighbour_pool(self, chunks: list[Chunk], neighbours: int) -> Any: ...  # ApiError: warm cannot use them
+    # (the neighbours a warm-up of these chunks uses, None meaning the default; a factory of the
+    # pool they are chosen from); ApiError where this engine cannot warm after neighbours
+    def neighbour_pool(self, chunks: list[Chunk], neighbours: int | None) -> tuple[int, Callable[[], Any]]: ...
 
     def clear_cache(self, chunk_id: str | None, tenant: str | None) -> int: ...
 
@@ -116,11 +118,13 @@ class EngineBackend:
         return stream_events(self.engine.stream_chat(messages, sampling, tenant))
 
     def warm(self, chunks: list[Chunk], system: str | None, tenant: str, neighbours: int = 0,
-             pool: Any = None) -> int:
-        return self.engine.warm(list(chunks), system, tenant, neighbours, pool)
+             pool: Any = None) -> WarmReport:
+        return self.engine.warm_report(list(chunks), system, tenant, neighbours, pool)
 
-    def neighbour_pool(self, chunks: list[Chunk], neighbours: int) -> Any:
-        return (lambda: neighbour_index(self.engine.builder, chunks)) if neighbours else (lambda: None)
+    def neighbour_pool(self, chunks: list[Chunk], neighbours: int | None) -> tuple[int, Callable[[], Any]]:
+        if neighbours is None:
+            neighbours = auto_neighbours(len({c.text for c in chunks}))
+        return neighbours, (lambda: neighbour_index(self.engine.builder, chunks)) if neighbours else (lambda: None)
 
     def clear_cache(self, chunk_id: str | None, tenant: str | None) -> int:
         return self.engine.clear_cache(chunk_id, tenant)

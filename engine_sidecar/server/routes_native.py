@@ -7,6 +7,7 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Depends, Request
 
+from engine_sidecar.engine.warm import WarmReport
 from engine_sidecar.errors import RagCacheError
 from engine_sidecar.server.context import ServerContext
 from engine_sidecar.server.engine_call import EngineCall
@@ -70,20 +71,23 @@ def native_router(ctx: ServerContext) -> APIRouter:
         chunks = scope_chunks(body.chunks, tenant)
         ctx.passages.remember(chunks, tenant)
 
-        make_pool = backend.neighbour_pool(chunks, body.neighbours)  # an unsupported engine says so here
+        neighbours, make_pool = backend.neighbour_pool(chunks, body.neighbours)  # an unsupported engine says so here
 
-        def make() -> Iterator[int]:
+        def make() -> Iterator[WarmReport]:
             # the pool once (tokenizing every chunk, off the event loop), then one chunk at a time,
             # so a disconnect or the deadline stops between chunks
             pool = make_pool()
             for chunk in chunks:
-                yield backend.warm([chunk], body.system, tenant, body.neighbours, pool)
+                yield backend.warm([chunk], body.system, tenant, neighbours, pool)
 
         if not chunks:
             return WarmResponse(chunks=0, computed=0)
         call = EngineCall(ctx, request, "warm", make, tenant, generation=False)
         await call.start()
-        return WarmResponse(chunks=len(chunks), computed=sum(await call.collect()))
+        reports = await call.collect()
+        return WarmResponse(chunks=len(chunks), computed=sum(r.computed for r in reports), neighbours=neighbours,
+                            tokens_prefilled=sum(r.tokens_prefilled for r in reports),
+                            seconds=round(sum(r.seconds for r in reports), 4))
 
     return router
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 
+from engine_sidecar.engine.warm import WarmReport
 from engine_sidecar.errors import PromptTooLongError
 from engine_sidecar.server.backend import EngineFacts, Event
 from engine_sidecar.server.errors import ApiError
@@ -82,18 +83,18 @@ class VllmBackend:
         ids = self.layout.builder.build_chat(messages).token_ids
         return self._complete(Laid(ids, None, tenant), sampling, None, "full", t0)
 
-    def neighbour_pool(self, chunks: list[Chunk], neighbours: int) -> Any:
-        if not neighbours:
-            return lambda: None
+    def neighbour_pool(self, chunks: list[Chunk], neighbours: int | None) -> tuple[int, Callable[[], Any]]:
+        if not neighbours:  # unset too: vLLM computes each chunk alone here
+            return 0, lambda: None
         raise ApiError(422, "neighbours: warming after neighbours is not available with --engine vllm (vLLM "
                             "computes the chunks here); leave it at 0", "neighbours", "neighbours_unsupported_by_engine")
 
     def warm(self, chunks: list[Chunk], system: str | None, tenant: str, neighbours: int = 0,
-             pool: Any = None) -> int:
+             pool: Any = None) -> WarmReport:
         """Through the connector: each chunk in a one-token request of its own, so vLLM computes
-        it and the connector keeps it (in context, after the template prefix). Returns how many
-        were computed (not held by the connector already)."""
-        computed = 0
+        it and the connector keeps it (in context, after the template prefix)."""
+        started = time.perf_counter()
+        computed = tokens = 0
         for chunk in chunks:
             prompt = ChunkedPrompt(chunks=[chunk], question="warm", **({"system": system} if system else {}))
             laid = self.layout.lay_out(prompt, tenant)
@@ -101,7 +102,9 @@ class VllmBackend:
             params = request_params(prompt, "cacheblend", tenant)
             *_, result = self._complete(laid, SamplingParams(max_tokens=1), params, "cacheblend", time.perf_counter())
             computed += result.stats.chunk_misses
-        return computed
+            if result.stats.chunk_misses:
+                tokens += result.stats.prefill_tokens_total - result.stats.tokens_reused
+        return WarmReport(len(chunks), computed, 0, tokens, time.perf_counter() - started)
 
     def _complete(self, laid: Laid, sampling: SamplingParams, params: dict[str, Any] | None, policy: str,
                   t0: float) -> Iterator[Event]:

@@ -91,3 +91,38 @@ def test_bad_corpus_files_are_one_line_errors(tmp_path, content):
     result = run_ingest("--corpus", str(bad), "--qdrant-path", str(tmp_path / "q"))
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("ingest: error:")
+
+
+def test_warm_on_a_running_sidecar_after_neighbours_prints_the_cost(tmp_path, tiny_llama_dir):
+    from engine_sidecar.server.process import SidecarProcess
+    from ragcache_integrations import ChunkedPrompt, RagCacheClient
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "rivers.txt").write_text("The Rhine flows from the Alps to the North Sea.\n\n"
+                                     "The Rhone flows from the Alps to the Mediterranean.\n\n"
+                                     "Basalt is a dark volcanic rock.", encoding="utf-8")
+    with SidecarProcess(tmp_path / "sidecar.log", "--model", str(tiny_llama_dir), "--no-disk") as sidecar:
+        args = ("--docs", str(docs), "--max-words", "10", "--qdrant-path", str(tmp_path / "q"), "--warm", sidecar.base)
+        first = run_ingest(*args)
+        assert first.returncode == 0, first.stderr
+        summary = first.stdout.strip().splitlines()[-1]
+        assert summary.startswith("warmed 3 of 3 chunks on the sidecar (after their 2 nearest passages")
+        assert "tokens prefilled in" in summary
+        again = run_ingest(*args)
+        assert again.returncode == 0 and "warmed 0 of 3 chunks" in again.stdout, again.stderr
+        # the chat asks with the ingested chunks: every one is found
+        chunks = ingest.chunk_documents(ingest.load_documents(docs), max_words=10)
+        from examples.chatbot.chat import SYSTEM
+        from ragcache_integrations import Chunk
+
+        with RagCacheClient(sidecar.base) as client:
+            prompt = ChunkedPrompt(chunks=[Chunk(text=c.text, id=c.chunk_id) for c in chunks[::-1]],
+                                   question="Where does the Rhine end?", system=SYSTEM)
+            stats = client.generate(prompt, {"max_tokens": 2}).stats
+        assert (stats.chunk_hits, stats.chunk_misses) == (3, 0)
+    down = run_ingest("--docs", str(docs), "--qdrant-path", str(tmp_path / "q2"), "--warm", "http://127.0.0.1:9")
+    assert down.returncode != 0 and "Traceback" not in down.stderr
+    assert down.stderr.strip().splitlines()[-1].startswith("ingest: error: warming on http://127.0.0.1:9 failed")
+    bad = run_ingest("--docs", str(docs), "--qdrant-path", str(tmp_path / "q3"), "--neighbours", "9")
+    assert bad.returncode != 0 and "--neighbours must be 0 to 8" in bad.stderr

@@ -120,3 +120,51 @@ def test_bad_neighbour_counts_are_clear_errors(tiny_engine, tiny_llama_dir, tmp_
                           timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0 and len(lines) == 1 and "neighbours must be 0 to 8" in lines[0], proc.stderr
+
+
+def test_an_unset_neighbour_count_warms_passages_known_together_after_two(tiny_engine):
+    builder = tiny_engine.builder
+    prefix = len(builder.prefix_segment(ChunkedPrompt.model_fields["system"].default).token_ids)
+    sizes = {t: len(builder.chunk_segment(Chunk(text=t)).token_ids) for t in PASSAGES}
+    report = tiny_engine.warm_report(PASSAGES)
+    assert (report.chunks, report.computed, report.neighbours) == (3, 3, 2)
+    # three passages, each computed after the other two: every passage's tokens three times, and
+    # the template prefix once (the first chunk stores it; the others start from it)
+    assert report.tokens_prefilled == prefix + 3 * sum(sizes.values())
+    assert report.seconds > 0
+    for text in PASSAGES:
+        entry = in_context_entry(tiny_engine, text)
+        assert entry is not None and entry.meta["warmed"] == "neighbours"
+        assert len(entry.meta["after_chunks"].split(",")) == 2
+    again = tiny_engine.warm_report(PASSAGES)
+    assert (again.computed, again.tokens_prefilled) == (0, 0)  # kept: nothing prefilled
+
+
+def test_a_lone_passage_and_an_explicit_zero_warm_alone(tiny_engine):
+    lone = tiny_engine.warm_report([PASSAGES[0], PASSAGES[0]])  # one distinct passage: nothing to come after
+    assert (lone.neighbours, lone.computed) == (0, 1)
+    assert in_context_entry(tiny_engine, PASSAGES[0]) is None
+    alone = tiny_engine.warm_report(PASSAGES[1:], neighbours=0)
+    assert (alone.neighbours, alone.computed) == (0, 2)
+    assert all(in_context_entry(tiny_engine, t) is None for t in PASSAGES[1:])
+
+
+def test_the_engine_warm_call_still_computes_alone_unless_told(tiny_engine):
+    # benchmarks measure KV computed alone through it
+    assert tiny_engine.warm(PASSAGES) == 3
+    assert all(in_context_entry(tiny_engine, t) is None for t in PASSAGES)
+
+
+def test_the_warm_command_defaults_to_neighbours_and_prints_the_cost(tiny_llama_dir, tmp_path):
+    files = []
+    for i, text in enumerate(PASSAGES):
+        files.append(tmp_path / f"chunk{i}.txt")
+        files[-1].write_text(text, encoding="utf-8")
+    env = {**os.environ, "RAGCACHE_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    base = [sys.executable, "-m", "engine_sidecar.cli", "warm", "--model", str(tiny_llama_dir), "--no-disk"]
+    together = subprocess.run([*base, *map(str, files)], capture_output=True, text=True, env=env, timeout=300)
+    assert together.returncode == 0, together.stderr
+    assert "precomputed 3 of 3 chunks (after their 2 nearest passages):" in together.stdout
+    assert "tokens prefilled in" in together.stdout
+    one = subprocess.run([*base, str(files[0])], capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0 and "precomputed 1 of 1 chunks (alone)" in one.stdout, one.stderr

@@ -143,8 +143,11 @@ def test_async_client_matches_the_sync_one(client, server):
 
 def test_warm_stats_and_delete(client):
     passage = "A unique passage about the river Thames in London."
-    assert client.warm([passage], tenant="warmco").computed == 1
-    assert client.warm([passage], tenant="warmco").computed == 0  # cached now
+    first = client.warm([passage], tenant="warmco")
+    assert (first.computed, first.neighbours) == (1, 0)  # a lone passage has nothing to be computed after
+    assert first.tokens_prefilled > 0 and first.seconds > 0
+    again = client.warm([passage], tenant="warmco")
+    assert (again.computed, again.tokens_prefilled) == (0, 0)  # cached now
     assert client.warm([passage], tenant="otherco").computed == 1  # tenants never share KV
     before = client.stats()
     assert before.ram_entries >= 2 and before.disk_entries >= 0
@@ -168,6 +171,16 @@ def test_warm_after_neighbours_over_http(client, server):
     stats = client.generate(ChunkedPrompt(chunks=passages[::-1], question="Where does the Rhine end?"),
                             {"max_tokens": 2}, tenant="nbco").stats
     assert (stats.chunk_hits, stats.chunk_misses) == (3, 0)
+    # passages known together, no count given: each after its two nearest, with the cost said
+    together = ["The Volga flows from the Valdai Hills to the Caspian Sea through Russia.",
+                "The Ural flows from the Ural Mountains to the Caspian Sea through Kazakhstan.",
+                "Granite is a coarse igneous rock formed from slowly cooled magma."]
+    auto = client.warm(together, tenant="nbco")
+    assert (auto.computed, auto.neighbours) == (3, 2)
+    alone = client.warm(together, tenant="nbco", neighbours=0)
+    assert alone.computed == 3  # the entries computed alone are others: the default did not make them
+    assert auto.tokens_prefilled > 2 * alone.tokens_prefilled  # each chunk prefilled with its two neighbours
+    assert client.warm(together, tenant="nbco", neighbours=2).computed == 0  # what the default made
     for bad in (-1, 9, "two"):
         response = httpx.post(server.base + "/v1/chunks/warm", json={"chunks": passages, "neighbours": bad}, headers=AUTH,
                                   timeout=30)
