@@ -44,6 +44,7 @@ class PrefillStage:
                 planned = replan()
                 continue
             times["prefill_s"] = time.perf_counter() - started
+            times.update(result.stage_s)
             self._observe_costs(result, times["prefill_s"])
             if result.prefetch is not None:
                 times["prefetch_read_s"] = result.prefetch.read_s

@@ -66,6 +66,26 @@ class PrefillResult:
     loaded_tokens: int = 0
     prefetch: PrefetchTimes | None = None  # disk-tier KV read layer by layer during the prefill
     prefetched: list[ChunkKV] = field(default_factory=list)  # those entries, now fully in memory
+    stage_s: dict[str, float] = field(default_factory=dict)  # where the time went (StageClock), CPU only
+
+
+class StageClock:
+    """Seconds per stage of one prefill, for the request's stats. Only where ops run on the host
+    as they are issued (the CPU): on a GPU a host clock would time kernel launches, and reading
+    the device's would need a sync on the request's path, so nothing is recorded there."""
+
+    def __init__(self, device: torch.device):
+        self.enabled = device.type == "cpu"
+        self.stages: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, stage: str) -> None:
+        """The time since the previous mark, added to `stage`."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - self._last
+        self._last = now
 
 
 @dataclass
@@ -103,9 +123,13 @@ def fused_prefill(
     [n,Hkv,D])` sees each layer's attention inputs (Cache-Craft records chunk statistics). Spans
     whose cached KV is still on disk (`ChunkKV.reader`) are read a layer at a time on a thread
     while earlier layers compute, `prefetch_depth` layers before layer 0 starts."""
+    clock = StageClock(runner.device)
     run = _FusedRun.start(runner, plan, policy, capacity, observer)
+    clock.mark("prefill_setup_s")
     reused = run.rotate_cached()
+    clock.mark("prefill_rotate_s")
     token_layers = policy.prepare(runner, plan, reused)  # model work before layer 0 (the question probe)
+    clock.mark("prefill_probe_s")
     active_mask = policy.initial_active(plan) | ~run.has_cache
     # tokens active from layer 0 that stay active never read their cached rows: skip them
     skip = active_mask if policy.keeps_initial_active else None
@@ -116,10 +140,18 @@ def fused_prefill(
     device = runner.device
     rows = ActiveRows.start(active_host.to(device), (~run.has_cache)[active_host].to(device),
                             runner.embed(run.ids[active_host.to(device)]), run.cos, run.sin)
+    clock.mark("prefill_setup_s")
     for layer in range(runner.num_layers):
         prefetcher.wait(layer)
+        # a layer that starts with every row active (layer 0 and the check layer of CacheBlend and
+        # its kin) is the fixed cost of a selective recompute: timed apart from the sparse ones
+        dense = rows.index.shape[0] == run.n
         token_layers += run.layer(layer, rows)
-    return run.finish(rows, need_logits, token_layers, prefetcher)
+        clock.mark("prefill_dense_layers_s" if dense else "prefill_sparse_layers_s")
+    result = run.finish(rows, need_logits, token_layers, prefetcher)
+    clock.mark("prefill_logits_s")
+    result.stage_s = clock.stages
+    return result
 
 
 @dataclass
