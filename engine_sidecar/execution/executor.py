@@ -143,9 +143,9 @@ def fused_prefill(
     clock.mark("prefill_setup_s")
     for layer in range(runner.num_layers):
         prefetcher.wait(layer)
-        # a layer that starts with every row active (layer 0 and the check layer of CacheBlend and
+        # a layer that starts with most rows active (layer 0 and the check layer of CacheBlend and
         # its kin) is the fixed cost of a selective recompute: timed apart from the sparse ones
-        dense = rows.index.shape[0] == run.n
+        dense = 2 * rows.index.shape[0] > run.n
         token_layers += run.layer(layer, rows)
         clock.mark("prefill_dense_layers_s" if dense else "prefill_sparse_layers_s")
     result = run.finish(rows, need_logits, token_layers, prefetcher)

@@ -61,9 +61,17 @@ def probe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos
     probs = _grouped_probs(q, k, query_pos, key_pos, sliding_window)  # [Hkv, group x C, n]
     kv_heads = probs.shape[0]
     group = q.shape[1] // kv_heads
-    out = torch.bmm(probs, v.transpose(0, 1).float())  # [Hkv, group x C, D]
+    work = _matmul_dtype(v)
+    out = torch.bmm(probs.to(work), v.transpose(0, 1).to(work))  # [Hkv, group x C, D]
     out = out.view(kv_heads, group, q.shape[0], -1).permute(2, 0, 1, 3).reshape(q.shape)
     return _fused_scores(probs, group, readers, fused), out.to(q.dtype)
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The probe's matmuls run in the model's half precision where it has one (inputs rounded as
+    transformers' eager attention rounds them; the softmax stays fp32): converting every key and
+    value to fp32 and multiplying there was most of the probe's time on a CPU in bf16."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def _grouped_probs(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
@@ -73,18 +81,22 @@ def _grouped_probs(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, ke
     readers, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
+    work = _matmul_dtype(k)
     # grouped-query attention without repeating the keys: the query heads of one KV head are one
     # batched matmul [Hkv, group x R, D] x [Hkv, D, n] (repeating fp32 keys per query head was
     # half the score's time)
-    qg = q.float().view(readers, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * readers, dim)
-    logits = torch.matmul(qg, k.permute(1, 2, 0).float()).mul_(1.0 / math.sqrt(dim))
+    qg = q.to(work).view(readers, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * readers, dim)
+    logits = torch.matmul(qg, k.permute(1, 2, 0).to(work)).float().mul_(1.0 / math.sqrt(dim))
     hidden = ~position_mask(query_pos, key_pos, sliding_window)  # [R, n]
     # only the keys from the first one some reader may not see are masked (the question's own
     # tokens, at the end): a broadcast masked_fill over all keys cost as much as the matmul
     some = hidden.any(dim=0)
     first = int(some.int().argmax()) if bool(some.any()) else hidden.shape[1]
     logits[:, :, first:].masked_fill_(hidden[:, first:].repeat(group, 1), float("-inf"))  # rows (g, r) as in qg
-    return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    probs = torch.softmax(logits, dim=-1)
+    # a reader that sees no key has a row of NaN: zeros instead (checked on the small mask, since
+    # a pass over every probability per layer was a tenth of the probe's time)
+    return probs.nan_to_num_(0.0) if bool(hidden.all(dim=1).any()) else probs
 
 
 def _fused_scores(probs: torch.Tensor, group: int, readers: torch.Tensor | None, fused: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,11 @@ import pytest
 
 from ragcache_integrations import ChunkedPrompt
 
+# passages long beside the question and the template, as a RAG prompt's are
 PASSAGES = [
-    "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
-    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres.",
-    "The Danube river flows through ten countries into the Black Sea.",
+    " ".join(["The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean."] * 4),
+    " ".join(["Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres."] * 4),
+    " ".join(["The Danube river flows through ten countries into the Black Sea."] * 4),
 ]
 STAGES = ("prefill_setup_s", "prefill_rotate_s", "prefill_probe_s", "prefill_dense_layers_s",
           "prefill_sparse_layers_s", "prefill_logits_s")
@@ -27,6 +28,7 @@ def stage_times(engine, policy: str) -> dict[str, float]:
                                                  ("full", True, False), ("prophet:0.15", False, True)])
 def test_the_stages_a_policy_runs_are_timed_and_add_up_to_the_prefill(tiny_engine, policy, dense, sparse):
     tiny_engine.warm(PASSAGES)
+    stage_times(tiny_engine, "reuse")  # the template prefix computed and kept, as in a running sidecar
     times = stage_times(tiny_engine, policy)
     assert ("prefill_dense_layers_s" in times) == dense
     assert ("prefill_sparse_layers_s" in times) == sparse

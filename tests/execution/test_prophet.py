@@ -303,3 +303,23 @@ def test_bad_probe_tags_are_clear_errors(spec):
         parse_policy_spec(spec)
     with pytest.raises(InvalidPromptError):
         parse_policy(spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_probe_in_half_precision_scores_as_in_fp32(dtype):
+    """In bf16/fp16 the probe's matmuls run in that dtype (softmax in fp32): its scores and output
+    stay within the dtype's rounding of the fp32 computation, and the top picks do not move."""
+    gen = torch.Generator().manual_seed(5)
+    n, heads, kv_heads, dim = 300, 9, 3, 64
+    k, v = torch.randn(n, kv_heads, dim, generator=gen), torch.randn(n, kv_heads, dim, generator=gen)
+    query_pos = torch.arange(n - 12, n)
+    q = torch.randn(12, heads, dim, generator=gen)
+    k[40:50] += q[0, :kv_heads] * 0.4  # a few keys the readers clearly prefer
+    readers = torch.ones(12, dtype=torch.bool)
+    fused = torch.arange(n) < n - 12
+    exact, exact_out = probe_attention(q, k, v, query_pos, torch.arange(n), readers, fused)
+    scores, out = probe_attention(q.to(dtype), k.to(dtype), v.to(dtype), query_pos, torch.arange(n), readers, fused)
+    assert out.dtype == dtype and scores.dtype == torch.float32
+    assert torch.allclose(scores, exact, atol=2e-4, rtol=0.05)
+    assert (out.float() - exact_out).abs().max().item() < 0.03
+    assert set(torch.topk(scores, 10).indices.tolist()) == set(torch.topk(exact, 10).indices.tolist())
