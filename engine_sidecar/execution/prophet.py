@@ -68,9 +68,9 @@ def probe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos
 
 
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """The probe's matmuls run in the model's half precision where it has one (inputs rounded as
-    transformers' eager attention rounds them; the softmax stays fp32): converting every key and
-    value to fp32 and multiplying there was most of the probe's time on a CPU in bf16."""
+    """The probe's attention output is multiplied in the model's half precision where it has one
+    (the probabilities rounded as transformers' eager attention rounds them): converting every
+    value to fp32 and multiplying there was a large share of the probe's time on a CPU in bf16."""
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
@@ -81,12 +81,11 @@ def _grouped_probs(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, ke
     readers, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    work = _matmul_dtype(k)
     # grouped-query attention without repeating the keys: the query heads of one KV head are one
     # batched matmul [Hkv, group x R, D] x [Hkv, D, n] (repeating fp32 keys per query head was
-    # half the score's time)
-    qg = q.to(work).view(readers, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * readers, dim)
-    logits = torch.matmul(qg, k.permute(1, 2, 0).to(work)).float().mul_(1.0 / math.sqrt(dim))
+    # half the score's time). In fp32: the scores pick the tokens, and bf16 logits moved picks.
+    qg = q.float().view(readers, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * readers, dim)
+    logits = torch.matmul(qg, k.permute(1, 2, 0).float()).mul_(1.0 / math.sqrt(dim))
     hidden = ~position_mask(query_pos, key_pos, sliding_window)  # [R, n]
     # only the keys from the first one some reader may not see are masked (the question's own
     # tokens, at the end): a broadcast masked_fill over all keys cost as much as the matmul

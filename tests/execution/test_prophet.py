@@ -307,8 +307,9 @@ def test_bad_probe_tags_are_clear_errors(spec):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_probe_in_half_precision_scores_as_in_fp32(dtype):
-    """In bf16/fp16 the probe's matmuls run in that dtype (softmax in fp32): its scores and output
-    stay within the dtype's rounding of the fp32 computation, and the top picks do not move."""
+    """In bf16/fp16 the probe scores in fp32 (the scores pick the tokens) and multiplies the
+    attention output in that dtype: scores as fp32 computes them from the same rounded inputs,
+    output within the dtype's rounding, the top picks unmoved."""
     gen = torch.Generator().manual_seed(5)
     n, heads, kv_heads, dim = 300, 9, 3, 64
     k, v = torch.randn(n, kv_heads, dim, generator=gen), torch.randn(n, kv_heads, dim, generator=gen)
@@ -320,6 +321,9 @@ def test_the_probe_in_half_precision_scores_as_in_fp32(dtype):
     exact, exact_out = probe_attention(q, k, v, query_pos, torch.arange(n), readers, fused)
     scores, out = probe_attention(q.to(dtype), k.to(dtype), v.to(dtype), query_pos, torch.arange(n), readers, fused)
     assert out.dtype == dtype and scores.dtype == torch.float32
+    rounded, _ = probe_attention(q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), query_pos,
+                                 torch.arange(n), readers, fused)
+    assert torch.allclose(scores, rounded, atol=1e-7)
     assert torch.allclose(scores, exact, atol=2e-4, rtol=0.05)
     assert (out.float() - exact_out).abs().max().item() < 0.03
     assert set(torch.topk(scores, 10).indices.tolist()) == set(torch.topk(exact, 10).indices.tolist())
