@@ -242,7 +242,8 @@ def _generated_entry(result: Any, spec: str | Policy) -> dict[str, Any]:
     return {"text": result.text, "first_token": result.token_ids[:1], "token_ids": result.token_ids,
             "ttft_s": stats.ttft_s, "computed_fraction": stats.computed_fraction,
             "recompute_share": stats.tokens_recomputed / max(1, stats.tokens_recomputed + stats.tokens_reused),
-            "prompt_tokens": stats.prefill_tokens_total, **policy_details(spec)}
+            "prompt_tokens": stats.prefill_tokens_total,
+            "stage_s": {k: v for k, v in stats.stage_times.items() if k in STAGES}, **policy_details(spec)}
 
 
 def _diagnose(args: argparse.Namespace, plan: _RunPlan, measuring: _Measuring, prompt: ChunkedPrompt,
@@ -426,6 +427,33 @@ def scatter_plot(summary: dict[str, dict[str, float]], config: dict[str, Any], p
     return path
 
 
+# where a generated answer's time to first token goes (the prefill's split exists on a CPU only)
+STAGES = {"plan_s": "plan", "prefill_setup_s": "setup", "prefill_rotate_s": "rotate", "prefill_probe_s": "probe",
+          "prefill_dense_layers_s": "dense layers", "prefill_sparse_layers_s": "sparse layers",
+          "prefill_logits_s": "logits", "commit_s": "commit"}
+
+
+def stage_medians(entries: list[dict[str, Any]]) -> dict[str, float]:
+    """Median milliseconds per stage over the entries that carry one (0 where a question's
+    request ran no such stage)."""
+    timed = [e["stage_s"] for e in entries if e.get("stage_s")]
+    seen = [k for k in STAGES if any(k in t for t in timed)]
+    return {k: 1e3 * statistics.median(t.get(k, 0.0) for t in timed) for k in seen}
+
+
+def stage_table(summary: dict[str, dict[str, Any]]) -> list[str]:
+    timed = {name: m["stage_ms"] for name, m in summary.items() if m.get("stage_ms")}
+    columns = [k for k in STAGES if any(k in t for t in timed.values())]
+    if not any(k.startswith("prefill_") for k in columns):
+        return []
+    lines = ["", "Where the time to first token goes (median ms per stage of the generated answers; dense "
+             "layers start with most tokens active, as CacheBlend's first and check layers):", "",
+             "| policy | " + " | ".join(STAGES[k] for k in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, stages in timed.items():
+        lines.append(f"| {name} | " + " | ".join(f"{stages.get(k, 0.0):.1f}" for k in columns) + " |")
+    return lines
+
+
 def summarize(rows: list[dict[str, Any]], policies: list[str],
               baseline: str = BASELINE) -> dict[str, dict[str, Any]]:
     full_ttft = statistics.median(r["policies"]["full"]["ttft_s"] for r in rows)
@@ -450,6 +478,7 @@ def summarize(rows: list[dict[str, Any]], policies: list[str],
             "ttft_ratio_vs_full": ttft / full_ttft,
             "computed_fraction": statistics.mean(p["computed_fraction"] for _, p in per),
             "recompute_share": statistics.mean(p.get("recompute_share", 0.0) for _, p in per),
+            "stage_ms": stage_medians([p for _, p in per]),
         }
         if forced:
             agreement = [r["policies"][policy]["tf_agreement"] for r in forced]
@@ -532,6 +561,7 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
         for name, g in gates.items():
             lines.append(f"| {name} | {g['escalated_share']:.2f} of {g['questions']} | {_or_dash(g['margin_median'])} "
                          f"| {_or_dash(g['computed_escalated'])} | {_or_dash(g['computed_confident'])} |")
+    lines += stage_table(summary)
     lines += divergence_table(summary)
     if "transformers_prefill_median_s" in config:
         lines.append("")

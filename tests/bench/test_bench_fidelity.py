@@ -61,6 +61,24 @@ def test_fidelity_bench_runs_every_policy_family_and_writes_table_json_and_plot(
             assert delta["vs"] == "cacheblend:0.15:temp1" and delta["ci95"][0] <= delta["mean"] <= delta["ci95"][1]
     assert "Teacher-forced along full prefill's answer" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # where the time went, per generated policy: CacheBlend's full layers apart, reuse has none
+    assert "Where the time to first token goes" in out.with_suffix(".md").read_text()
+    stages = {name: m["stage_ms"] for name, m in result["policies"].items()}
+    assert "prefill_dense_layers_s" in stages["cacheblend:0.15:temp1"]
+    assert "prefill_dense_layers_s" not in stages["reuse"] and stages["reuse"]["prefill_sparse_layers_s"] > 0
+
+
+def test_stage_medians_by_hand():
+    from engine_sidecar.bench.fidelity import stage_medians, stage_table
+
+    entries = [{"stage_s": {"prefill_setup_s": 0.001, "prefill_dense_layers_s": 0.010}},
+               {"stage_s": {"prefill_setup_s": 0.003}}, {"stage_s": {"prefill_setup_s": 0.002}}, {}]
+    medians = stage_medians(entries)
+    # a question whose request ran no dense layer counts 0 there; an entry without times is left out
+    assert medians == pytest.approx({"prefill_setup_s": 2.0, "prefill_dense_layers_s": 0.0})
+    table = stage_table({"a": {"stage_ms": medians}, "b": {"stage_ms": {}}})
+    assert table[3] == "| policy | setup | dense layers |" and table[-1] == "| a | 2.0 | 0.0 |"
+    assert stage_table({"a": {"stage_ms": {"plan_s": 1.0}}}) == []  # no prefill split (a GPU): no table
 
 
 def test_bootstrap_interval_brackets_the_mean_and_is_reproducible():
