@@ -37,28 +37,51 @@ if TYPE_CHECKING:
     from engine_sidecar.model.runner import ModelRunner
 
 
+@dataclass(frozen=True)
+class VisibleKeys:
+    """Which keys the probed rows may not see. Positions do not change between layers, so the
+    probe works this out once, not per layer: reading it back from the device every layer would
+    stall a GPU. Only the keys from the first one some row cannot see are masked (the question's
+    own tokens, at the end): a broadcast mask over all keys cost as much as the matmul."""
+
+    first: int  # the first key some row cannot see (n when every row sees every key)
+    hidden_tail: torch.Tensor  # [R, n - first] bool: keys from `first` on that each row cannot see
+    blind: bool  # some row sees no key at all (its softmax row is NaN until zeroed)
+
+    @classmethod
+    def of(cls, query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> VisibleKeys:
+        hidden = ~position_mask(query_pos, key_pos, sliding_window)  # [R, n]
+        some = hidden.any(dim=0)
+        first = int(some.int().argmax()) if bool(some.any()) else hidden.shape[1]
+        return cls(first, hidden[:, first:], bool(hidden.all(dim=1).any()))
+
+
 def attention_scores(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
-                     fused: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+                     fused: torch.Tensor, sliding_window: int | None = None,
+                     visible: VisibleKeys | None = None) -> torch.Tensor:
     """Per key [n]: the readers' attention on the fused keys, normalized per head.
 
     q [R, H, D] rotated queries of the reading tokens, k [n, Hkv, D] rotated keys of every token,
     fused [n] bool. Each head's softmax over the visible keys is averaged over the readers,
     restricted to the fused keys and rescaled to sum to 1 there (a head with no mass on fused
     keys contributes nothing); heads are then averaged, so the result sums to 1 over the fused
-    keys (0 elsewhere) unless no head sees a fused key."""
-    probs = _grouped_probs(q, k, query_pos, key_pos, sliding_window)
+    keys (0 elsewhere) unless no head sees a fused key. `visible`: the mask of these positions,
+    made once for many calls."""
+    probs = _grouped_probs(q, k, visible or VisibleKeys.of(query_pos, key_pos, sliding_window))
     return _fused_scores(probs, q.shape[1] // k.shape[1], None, fused)
 
 
 def probe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor,
                     key_pos: torch.Tensor, readers: torch.Tensor, fused: torch.Tensor,
-                    sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    sliding_window: int | None = None,
+                    visible: VisibleKeys | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores [n] as `attention_scores` of the `readers` rows, attention output [C, H, D] in q's
     dtype) of the probed tokens q [C, H, D] over k/v [n, Hkv, D], from one fp32 softmax.
+    `readers`: bool [C], or the indices of those rows.
 
     The probe needs both from every layer; a separate attention call repacked all n keys per
     layer for ~30 queries and cost as much as the scores themselves."""
-    probs = _grouped_probs(q, k, query_pos, key_pos, sliding_window)  # [Hkv, group x C, n]
+    probs = _grouped_probs(q, k, visible or VisibleKeys.of(query_pos, key_pos, sliding_window))  # [Hkv, group x C, n]
     kv_heads = probs.shape[0]
     group = q.shape[1] // kv_heads
     work = _matmul_dtype(v)
@@ -74,8 +97,7 @@ def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def _grouped_probs(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor,
-                   sliding_window: int | None) -> torch.Tensor:
+def _grouped_probs(q: torch.Tensor, k: torch.Tensor, visible: VisibleKeys) -> torch.Tensor:
     """fp32 softmax [Hkv, group x R, n] of q [R, H, D] over k [n, Hkv, D]; row g x R + r is query
     head kv x group + g of reader r (repeat_interleave's order). Masked-out keys get 0."""
     readers, heads, dim = q.shape
@@ -86,22 +108,18 @@ def _grouped_probs(q: torch.Tensor, k: torch.Tensor, query_pos: torch.Tensor, ke
     # half the score's time). In fp32: the scores pick the tokens, and bf16 logits moved picks.
     qg = q.float().view(readers, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * readers, dim)
     logits = torch.matmul(qg, k.permute(1, 2, 0).float()).mul_(1.0 / math.sqrt(dim))
-    hidden = ~position_mask(query_pos, key_pos, sliding_window)  # [R, n]
-    # only the keys from the first one some reader may not see are masked (the question's own
-    # tokens, at the end): a broadcast masked_fill over all keys cost as much as the matmul
-    some = hidden.any(dim=0)
-    first = int(some.int().argmax()) if bool(some.any()) else hidden.shape[1]
-    logits[:, :, first:].masked_fill_(hidden[:, first:].repeat(group, 1), float("-inf"))  # rows (g, r) as in qg
+    first = visible.first
+    logits[:, :, first:].masked_fill_(visible.hidden_tail.repeat(group, 1), float("-inf"))  # rows (g, r) as in qg
     probs = torch.softmax(logits, dim=-1)
-    # a reader that sees no key has a row of NaN: zeros instead (checked on the small mask, since
-    # a pass over every probability per layer was a tenth of the probe's time)
-    return probs.nan_to_num_(0.0) if bool(hidden.all(dim=1).any()) else probs
+    # a row that sees no key is NaN: zeros instead (a pass over every probability per layer was a
+    # tenth of the probe's time, so only where such a row exists)
+    return probs.nan_to_num_(0.0) if visible.blind else probs
 
 
 def _fused_scores(probs: torch.Tensor, group: int, readers: torch.Tensor | None, fused: torch.Tensor) -> torch.Tensor:
-    """[n] from probs [Hkv, group x R, n]: the rows of `readers` (bool [R]; all when None) averaged
-    per head, restricted to the fused keys and rescaled to sum to 1 there (a head with no mass on
-    fused keys contributes nothing), then averaged over heads."""
+    """[n] from probs [Hkv, group x R, n]: the rows of `readers` (bool [R] or row indices; all when
+    None) averaged per head, restricted to the fused keys and rescaled to sum to 1 there (a head
+    with no mass on fused keys contributes nothing), then averaged over heads."""
     kv_heads, rows, n = probs.shape
     per_row = probs.view(kv_heads, group, rows // group, n)
     if readers is not None:
@@ -190,8 +208,12 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
     positions = torch.arange(n, device=device)
     cos, sin = runner.rope_tables(positions)
     computed = computed.to(device)
-    readers = readers.to(device)
+    reader_rows = readers.nonzero().squeeze(1).to(device)  # indices: boolean indexing would sync a GPU per layer
     cos_c, sin_c, pos_c = cos[computed], sin[computed], positions[computed]
+    # the masks once, not per layer (positions do not change); scores summed on the device
+    visible = VisibleKeys.of(pos_c, positions, c.sliding_window)
+    visible_readers = VisibleKeys.of(pos_c[reader_rows], positions, c.sliding_window)
+    summed = torch.zeros(n, device=device)
     fused_d = fused.to(device)
     hidden = runner.embed(ids[computed])
     own_keys = own_values = None
@@ -221,9 +243,9 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
             rotated = apply_rope(keys, cos, sin)
         if layer + 1 < depth or finish_last:
             # the readers' scores and every probed token's attention output from one softmax
-            layer_scores, attn = probe_attention(q, rotated, values, pos_c, positions, readers, fused_d,
-                                                 c.sliding_window)
-            scores += layer_scores.cpu()
+            layer_scores, attn = probe_attention(q, rotated, values, pos_c, positions, reader_rows, fused_d,
+                                                 c.sliding_window, visible)
+            summed += layer_scores
             if layer + 1 < depth:
                 hidden = mlp(runner, layer, runner.attn_out(layer, hidden, attn.reshape(attn.shape[0], -1)))
             else:
@@ -231,9 +253,9 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
                 last = mlp(runner, layer, runner.attn_out(layer, hidden[-1:], attn[-1:].reshape(1, -1)))
                 next_logits = runner.logits(last)[0]
         else:
-            scores += attention_scores(q[readers], rotated, pos_c[readers], positions, fused_d,
-                                       c.sliding_window).cpu()
-    return Probe(scores / depth, int(computed.shape[0]) * depth, next_logits)
+            summed += attention_scores(q[reader_rows], rotated, pos_c[reader_rows], positions, fused_d,
+                                       c.sliding_window, visible_readers)
+    return Probe(summed.cpu() / depth, int(computed.shape[0]) * depth, next_logits)
 
 
 def first_token_margin(logits: torch.Tensor) -> float:

@@ -5,6 +5,7 @@ count, the ratio-1.0 guard (== full prefill, also teacher-forced), and the gramm
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -284,6 +285,31 @@ def test_probe_layers_stop_the_probe_and_count_only_its_layers(tiny_engine):
     _, stats = tiny_engine.prefill_logits(ChunkedPrompt(chunks=PASSAGES, question=QUESTION),
                                           policy="prophet:0.2:probe1:nowindow")
     assert stats.chunk_hits == 3
+
+
+def test_the_probe_reads_nothing_back_per_layer(tiny_engine, monkeypatch):
+    """Each value read back from a tensor is a sync on a GPU: the probe's reads must not grow with
+    its depth (the masks are made once, the scores summed on the device)."""
+    tiny_engine.warm(PASSAGES)
+    plan = plan_of(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
+    probe_scores(tiny_engine.runner, plan, layers=1)  # first-call work (caches filled) off the count
+    reads = []
+    caller = threading.get_ident()
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if threading.get_ident() == caller:  # not the disk tier's writer, which runs meanwhile
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    counts = []
+    for layers in (1, 2, 3):
+        reads.clear()
+        probe_scores(tiny_engine.runner, plan, layers=layers)
+        counts.append(len(reads))
+    assert counts[0] == counts[1] == counts[2], counts
 
 
 @pytest.mark.parametrize("spec,layers,option", [
