@@ -173,6 +173,21 @@ def probe_scores(runner: ModelRunner, plan: FusionPlan, layers: int | None = Non
     return result.scores, result.token_layers
 
 
+def _cached_and_fused(plan: FusionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows holding cached KV and the rows of fused chunks ([T] bool each, on the host);
+    cached KV still on disk is read whole now, since the probe reads every layer of it."""
+    cached = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    fused = torch.zeros(plan.num_tokens, dtype=torch.bool)
+    for span in plan.spans:
+        if span.cached is not None and span.mode != "fresh":
+            cached[span.start : span.end] = True
+            if span.cached.reader is not None:
+                span.cached.reader.read_into(span.cached)
+        if span.mode == "fuse":
+            fused[span.start : span.end] = True
+    return cached, fused
+
+
 @torch.inference_mode()
 def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logits: bool = False,
           reused: ReusedKV | None = None) -> Probe:
@@ -182,15 +197,7 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
     entries into a buffer of the probe's own."""
     n = plan.num_tokens
     device = runner.device
-    cached = torch.zeros(n, dtype=torch.bool)
-    fused = torch.zeros(n, dtype=torch.bool)
-    for span in plan.spans:
-        if span.cached is not None and span.mode != "fresh":
-            cached[span.start : span.end] = True
-            if span.cached.reader is not None:  # still on disk: the probe reads every layer now
-                span.cached.reader.read_into(span.cached)
-        if span.mode == "fuse":
-            fused[span.start : span.end] = True
+    cached, fused = _cached_and_fused(plan)
     computed = (~cached).nonzero().squeeze(1)
     readers = reader_mask(plan)[computed]
     depth = runner.num_layers if layers is None else max(0, min(layers, runner.num_layers))
