@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ragcache_integrations.types import ChunkedPrompt, GenerationResult, SamplingParams
+from ragcache_integrations.api_models import WarmResponse
+from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, SamplingParams
 
 Messages = list[dict[str, str]]
 
@@ -90,6 +91,9 @@ class Backend(Protocol):
                 order: str = "preserve", tenant: str = "") -> AsyncDeltaStream: ...
 
     def chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> GenerationResult: ...
+
+    def warm(self, chunks: list[Chunk], system: str | None = None, *, tenant: str = "",
+             neighbours: int | None = None) -> WarmResponse: ...
 
     def stream_chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> DeltaStream: ...
 
@@ -196,6 +200,12 @@ class EngineBackend:
     def astream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
                 order: str = "preserve", tenant: str = "") -> AsyncDeltaStream:
         return _in_thread(lambda: self.stream(prompt, sampling, policy=policy, order=order, tenant=tenant))
+
+    def warm(self, chunks: list[Chunk], system: str | None = None, *, tenant: str = "",
+             neighbours: int | None = None) -> WarmResponse:
+        report = self.engine.warm_report(list(chunks), system, tenant, neighbours)
+        return WarmResponse(chunks=report.chunks, computed=report.computed, neighbours=report.neighbours,
+                            tokens_prefilled=report.tokens_prefilled, seconds=report.seconds)
 
     def stream_chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> DeltaStream:
         handle = self.engine.stream_chat(messages, sampling, tenant=tenant)
@@ -310,6 +320,11 @@ class HttpBackend:
                         order: str = "preserve", tenant: str = "") -> GenerationResult:
         async with self._client_module.AsyncRagCacheClient(self.base_url, **self._options) as client:
             return await client.generate(prompt, sampling, policy=policy, order=order, tenant=tenant or None)
+
+    def warm(self, chunks: list[Chunk], system: str | None = None, *, tenant: str = "",
+             neighbours: int | None = None) -> WarmResponse:
+        with self._client_module.RagCacheClient(self.base_url, **self._options) as client:
+            return client.warm(list(chunks), system, tenant or None, neighbours)
 
     # --- plain chat (no chunks) -------------------------------------------------------------
     # A plain chat is a verbatim-layout prompt without chunks, computed in full: the same tokens

@@ -31,6 +31,7 @@ from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_do
 from langchain_core.runnables import Runnable, RunnableConfig, ensure_config  # noqa: E402
 from langchain_core.runnables.config import run_in_executor  # noqa: E402
 
+from ragcache_integrations.api_models import WarmResponse  # noqa: E402
 from ragcache_integrations.backend import (  # noqa: E402
     check_sampling_options,
     make_backend,
@@ -105,6 +106,20 @@ class ChunkCachedRunnable(Runnable[dict, str]):
         recovery = with_chunks(messages, chunks)
         # documents that render to nothing (or are not quoted) are sent as plain text
         return recovery.prompt or ChunkedPrompt(messages=messages)
+
+    # --- ahead of traffic -----------------------------------------------------------------------
+    def warm(self, documents: list[Document | str], neighbours: int | None = None) -> WarmResponse:
+        """Precompute the KV of documents this runnable will be given as context, as its prompts
+        will hold them (same text, ids, system prompt and tenant). Pass the passages known
+        together, a document's, in one call: by default each is computed after its two nearest
+        passages of the call, which answers closer to full prefill than KV computed alone; 0
+        computes each alone. The response says what the warm-up cost."""
+        if self.prompt is not None:
+            raise ValueError("warm serves the chunk-structured layout: with prompt= the passages' tokens depend "
+                             "on the template around them, so requests compute and keep them in place instead")
+        docs = [Document(page_content=d) if isinstance(d, str) else d for d in documents]
+        chunks = [Chunk(text=d.page_content, id=document_id(d, self.id_key)) for d in docs]
+        return self.backend.warm(chunks, self.system, tenant=self.tenant, neighbours=neighbours)
 
     # --- Runnable -------------------------------------------------------------------------------
     def stream(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[str]:

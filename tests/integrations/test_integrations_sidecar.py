@@ -73,6 +73,15 @@ def test_langchain_runnable_and_chat_model_over_the_sidecar(sidecar):
     chain.invoke({"input": "Which sea does the Nile reach in Egypt?"})
     assert runnable.last_stats["chunk_hits"] >= 1
 
+    # warmed ahead over HTTP, with the runnable's own ids and system prompt: the next prompt hits
+    structured = ChunkCachedRunnable(base_url=sidecar, max_tokens=2, tenant="warm-lc")
+    warmed = structured.warm(DOCS[:3])
+    assert (warmed.computed, warmed.neighbours) == (3, 2)
+    structured.invoke({"question": "Where is the reef?", "context": DOCS[2::-1]})
+    assert (structured.last_stats["chunk_hits"], structured.last_stats["chunk_misses"]) == (3, 0)
+    with pytest.raises(ValueError, match="chunk-structured layout"):
+        runnable.warm(DOCS)
+
     model = ChunkCachedChatModel(base_url=sidecar, max_tokens=10, policy="full")
     plain = ChunkCachedChatModel(base_url=sidecar, max_tokens=10, recover_chunks=False)
     question = {"input": "How high is Mount Fuji?"}

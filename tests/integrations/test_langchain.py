@@ -224,3 +224,15 @@ def test_chat_model_sends_every_engine_order_and_refuses_a_typo(engine):
         assert model.last_prompt is not None and model.last_stats["fallback_reason"] is None
     with pytest.raises(ValueError, match="misses-first"):
         ChunkCachedChatModel(engine=engine, order="misses_first")
+
+
+def test_warming_documents_known_together_makes_every_later_prompt_hit(engine):
+    runnable = ChunkCachedRunnable(engine=engine, max_tokens=2, system="Answer from the passages.", tenant="warmed")
+    report = runnable.warm(DOCS)
+    assert (report.chunks, report.computed, report.neighbours) == (4, 4, 2)  # each after its two nearest
+    assert report.tokens_prefilled > 0
+    assert runnable.warm(DOCS).computed == 0  # kept
+    runnable.invoke({"question": "Where is Lake Titicaca?", "context": DOCS[::-1]})
+    assert (runnable.last_stats["chunk_hits"], runnable.last_stats["chunk_misses"]) == (4, 0)
+    alone = ChunkCachedRunnable(engine=engine, tenant="alone").warm(DOCS[:1])
+    assert (alone.computed, alone.neighbours) == (1, 0)  # a lone passage is computed alone
