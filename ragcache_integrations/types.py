@@ -151,6 +151,10 @@ class GenerationStats(BaseModel):
     token_layers_background: int = 0  # queued for a background worker after the request (not included)
     decode_tokens: int = 0
     policy: str = ""
+    # what the policy decided for this request: its probe's token-layers and picks (prophet, mix),
+    # whether the gate spent its budget and its first-token margin, where Cache-Craft stopped, an
+    # `:auto` ratio; empty for policies that decide nothing per request
+    policy_decisions: dict[str, Any] = Field(default_factory=dict)
     stage_times: dict[str, float] = Field(default_factory=dict)
     plan: list[dict[str, Any]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from engine_sidecar.bench.policy_specs import BASELINE, is_oracle, oracle_ratio
 from engine_sidecar.bench.report import write_report
 from engine_sidecar.engine.warm import neighbour_index
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.execution.policies import GatePolicy, Policy, parse_policy
+from engine_sidecar.execution.policies import Policy
 from engine_sidecar.model.runner import ModelRunner
 from ragcache_integrations.types import ChunkedPrompt, SamplingParams
 
@@ -217,7 +216,7 @@ def _measure_question(args: argparse.Namespace, plan: _RunPlan, measuring: _Meas
             continue  # full: from full_reference; --no-generate: teacher-forced only
         spec = make_policy(policy, reference)
         result = _generate(engine, prompt, follow, spec, plan.sampling, args.k, f"fidelity-{i}-{policy}")
-        row["policies"][policy] = _generated_entry(result, spec)
+        row["policies"][policy] = _generated_entry(result)
     if reference is not None:
         _diagnose(args, plan, measuring, prompt, row, reference)
     return row
@@ -235,15 +234,14 @@ def _generate(engine: Any, prompt: ChunkedPrompt, follow: dict[str, Any] | None,
                                          conversation_id=conversation), sampling, policy=spec)
 
 
-def _generated_entry(result: Any, spec: str | Policy) -> dict[str, Any]:
-    """A generated answer's entry in the question's row; the policy object's own decisions are
-    read after the request that made them."""
+def _generated_entry(result: Any) -> dict[str, Any]:
+    """A generated answer's entry in the question's row, with what its policy decided."""
     stats = result.stats
     return {"text": result.text, "first_token": result.token_ids[:1], "token_ids": result.token_ids,
             "ttft_s": stats.ttft_s, "computed_fraction": stats.computed_fraction,
             "recompute_share": stats.tokens_recomputed / max(1, stats.tokens_recomputed + stats.tokens_reused),
             "prompt_tokens": stats.prefill_tokens_total,
-            "stage_s": {k: v for k, v in stats.stage_times.items() if k in STAGES}, **policy_details(spec)}
+            "stage_s": {k: v for k, v in stats.stage_times.items() if k in STAGES}, **policy_details(stats.policy_decisions)}
 
 
 def _diagnose(args: argparse.Namespace, plan: _RunPlan, measuring: _Measuring, prompt: ChunkedPrompt,
@@ -310,10 +308,7 @@ def full_reference(engine: Any, prompt: ChunkedPrompt, max_tokens: int) -> dict[
 
 def make_policy(spec: str, reference: dict[str, Any] | None) -> str | Policy:
     """The policy to hand the engine: the spec itself; for oracle:<r> a Policy object holding
-    full prefill's KV of this very prompt; for gate a Policy object, so that its decision on this
-    prompt can be read back (`policy_details`)."""
-    if spec.split(":", 1)[0] == GatePolicy.name:
-        return parse_policy(spec)
+    full prefill's KV of this very prompt."""
     if not is_oracle(spec):
         return spec
     if reference is None:
@@ -321,14 +316,15 @@ def make_policy(spec: str, reference: dict[str, Any] | None) -> str | Policy:
     return OraclePolicy(oracle_ratio(spec), reference["keys_pre"], reference["values"])
 
 
-def policy_details(spec: str | Policy) -> dict[str, Any]:
-    """What a policy object decided on the request it just ran, for the question's row: the
-    oracle's share of picks at chunk heads; the gate's first-token margin under reuse and whether
-    it spent its budget (the gate's computed share varies per question with that decision)."""
-    if isinstance(spec, OraclePolicy):
-        return {"head_share": spec.head_share}
-    if isinstance(spec, GatePolicy):
-        return {"escalated": spec.escalated, "margin": None if math.isnan(spec.margin) else spec.margin}
+def policy_details(decisions: dict[str, Any]) -> dict[str, Any]:
+    """What a policy decided on the request it just ran (its stats' `policy_decisions`), for the
+    question's row: the oracle's share of picks at chunk heads; the gate's first-token margin
+    under reuse and whether it spent its budget (the gate's computed share varies per question
+    with that decision)."""
+    if "head_share" in decisions:
+        return {"head_share": decisions["head_share"]}
+    if "escalated" in decisions:
+        return {"escalated": decisions["escalated"], "margin": decisions["margin"]}
     return {}
 
 
@@ -370,7 +366,7 @@ def teacher_forced(engine: Any, prompt: ChunkedPrompt, row: dict[str, Any], poli
                     "recompute_share": stats.tokens_recomputed / max(1, stats.tokens_recomputed + stats.tokens_reused),
                     "prompt_tokens": stats.prefill_tokens_total}
             target = row["policies"][policy]
-            target.update(policy_details(spec))
+            target.update(policy_details(stats.policy_decisions))
         target["tf_agreement"], target["tf_kl"] = agreement_and_kl(logprobs, ref_logprobs)
         if divergence:
             target["divergence"] = layer_divergence(hidden, reference["hidden"])

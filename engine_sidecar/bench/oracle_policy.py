@@ -14,6 +14,7 @@ server's policy registry does not know the name.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -71,8 +72,14 @@ class OraclePolicy(Policy):
             raise InvalidPromptError(f"oracle ratio must be in [0, 1], got {ratio}")
         self.ratio = ratio
         self.full_keys_pre, self.full_values = full_keys_pre, full_values
-        self.selected = torch.zeros(0, dtype=torch.long)  # global indices picked for the last plan
+        self.reset()
+
+    def reset(self) -> None:
+        self.selected = torch.zeros(0, dtype=torch.long)  # global indices picked for this request's plan
         self.head_share = 0.0  # share of those within the first HEAD tokens of their chunk
+
+    def decisions(self) -> dict[str, Any]:
+        return {"head_share": self.head_share}
 
     def initial_active(self, plan: FusionPlan) -> torch.Tensor:
         fused, fresh = span_masks(plan)

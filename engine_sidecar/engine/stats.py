@@ -35,6 +35,7 @@ def request_stats(planned: PlannedRequest, result: PrefillResult, ttft: float, p
             token_layers_precomputed=planned.precompute_token_layers,
             token_layers_background=background,
             policy=policy.name,
+            policy_decisions=policy.decisions(),
             stage_times=times,
             plan=plan.describe(),
             notes=plan.notes,

@@ -192,8 +192,8 @@ def test_focused_chunk_early_termination_stops_recompute_of_unfocused_chunks(eng
     _, full_stats = engine.prefill_logits(prompt, policy=keep_going)
     stopping = CacheCraftPolicy(alpha=0.5, window=1)  # stop as soon as the focused set is seen once
     _, stats = engine.prefill_logits(prompt, policy=stopping)
-    assert stopping.stopped_at == 0  # window 1: decided at the first layer
-    assert keep_going.stopped_at is None
+    assert stats.policy_decisions["stopped_at"] == 0  # window 1: decided at the first layer
+    assert full_stats.policy_decisions["stopped_at"] is None
     assert stats.chunk_hits == full_stats.chunk_hits == 3
     assert stats.tokens_recomputed < full_stats.tokens_recomputed  # unfocused chunks dropped out
     assert stats.computed_fraction < full_stats.computed_fraction
@@ -204,13 +204,16 @@ def test_early_termination_waits_for_a_stable_focused_set_over_the_window(engine
     engine.generate({"chunks": [A, B, C], "question": "Where?"}, {"max_tokens": 1}, policy="cachecraft")
     prompt = {"chunks": [C, B, A], "question": "Which river flows into the Mediterranean Sea?"}
     policy = CacheCraftPolicy(alpha=0.5, window=window)
-    engine.prefill_logits(prompt, policy=policy)
-    history = policy._history  # the focused set seen at each layer, until the stop
+    _, stats = engine.prefill_logits(prompt, policy=policy)
+    decided = stats.policy_decisions
+    # the focused set seen at each layer, until the stop
+    history = [frozenset(seen) for seen in decided["focused_by_layer"]]
     first_stable = next((i for i in range(len(history)) if termination_layer(history[: i + 1], window)), None)
-    assert policy.stopped_at == first_stable  # the first layer where `window` layers agreed, never before
-    if policy.stopped_at is not None:
-        assert policy.stopped_at >= window - 1
-        assert len(set(history[policy.stopped_at - window + 1 : policy.stopped_at + 1])) == 1
+    stopped_at = decided["stopped_at"]
+    assert stopped_at == first_stable  # the first layer where `window` layers agreed, never before
+    if stopped_at is not None:
+        assert stopped_at >= window - 1
+        assert len(set(history[stopped_at - window + 1 : stopped_at + 1])) == 1
 
 
 def test_variants_survive_a_restart_through_the_disk_tier(tiny_llama_dir, tmp_path):

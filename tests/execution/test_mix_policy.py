@@ -75,9 +75,8 @@ def test_ratio_one_equals_full_prefill_also_teacher_forced(tiny_engine):
     answer = [int(full.argmax()), 11, 42, 7]
     full_tf, _ = tiny_engine.teacher_forced_logits(PROMPT, answer, policy="full")
     tiny_engine.warm(PASSAGES)
-    mix = MixPolicy(1.0)
-    one, stats = tiny_engine.prefill_logits(PROMPT, policy=mix)
-    assert stats.chunk_hits == 3 and mix.probe_token_layers == 0  # no probe at r = 1
+    one, stats = tiny_engine.prefill_logits(PROMPT, policy=MixPolicy(1.0))
+    assert stats.chunk_hits == 3 and stats.policy_decisions["probe_token_layers"] == 0  # no probe at r = 1
     assert (full - one).abs().max().item() <= 1e-4
     one_tf, _ = tiny_engine.teacher_forced_logits(PROMPT, answer, policy="mix:1.0:split")
     assert torch.equal(one_tf.argmax(-1), full_tf.argmax(-1))
@@ -122,11 +121,11 @@ def test_token_layers_include_the_probe(tiny_engine):
     tiny_engine.warm(PASSAGES)
     tiny_engine.prefill_logits(PROMPT, policy="reuse")
     _, blend = tiny_engine.prefill_logits(PROMPT, policy="cacheblend:0.2")
-    mix = MixPolicy(0.2)
-    _, stats = tiny_engine.prefill_logits(PROMPT, policy=mix)
+    _, stats = tiny_engine.prefill_logits(PROMPT, policy=MixPolicy(0.2))
+    probed = stats.policy_decisions["probe_token_layers"]
     assert stats.tokens_recomputed == blend.tokens_recomputed
-    assert stats.token_layers_computed == blend.token_layers_computed + mix.probe_token_layers
-    assert mix.probe_token_layers > 0
+    assert stats.token_layers_computed == blend.token_layers_computed + probed
+    assert probed > 0
 
 
 def test_ranks_and_rank_order_match_the_definition_on_random_ties():

@@ -353,3 +353,36 @@ def test_the_probe_in_half_precision_scores_as_in_fp32(dtype):
     assert torch.allclose(scores, exact, atol=2e-4, rtol=0.05)
     assert (out.float() - exact_out).abs().max().item() < 0.03
     assert set(torch.topk(scores, 10).indices.tolist()) == set(torch.topk(exact, 10).indices.tolist())
+
+
+def test_a_policy_object_the_caller_passes_is_a_spec_it_keeps_unchanged(tiny_engine):
+    """Each request selects with its own copy of a Policy the caller passes: the caller's object
+    holds no request's selection afterwards, and two requests with it give what two requests with
+    the spec string give."""
+    prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
+    tiny_engine.warm(PASSAGES)
+    spec = parse_policy("prophet:0.3")
+    assert spec.selected.numel() == 0
+    first = tiny_engine.generate(prompt, {"max_tokens": 3, "temperature": 0}, policy=spec)
+    second = tiny_engine.generate(prompt, {"max_tokens": 3, "temperature": 0}, policy=spec)
+    assert spec.selected.numel() == 0
+    by_name = tiny_engine.generate(prompt, {"max_tokens": 3, "temperature": 0}, policy="prophet:0.3")
+    assert first.token_ids == second.token_ids == by_name.token_ids
+    assert first.stats.tokens_recomputed == by_name.stats.tokens_recomputed > 0
+    # what the request's copy decided is in its stats instead
+    decided = first.stats.policy_decisions
+    assert decided["selected"] == first.stats.tokens_recomputed and decided["probe_token_layers"] > 0
+    assert decided["selected"] == by_name.stats.policy_decisions["selected"]
+
+
+def test_an_auto_ratio_is_the_requests_not_the_specs(tiny_engine):
+    """An `:auto` ratio is chosen per request from measured costs: it lands in the request's stats,
+    and the spec object keeps the ratio it was parsed with."""
+    prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
+    tiny_engine.warm(PASSAGES)
+    spec = parse_policy("cacheblend:auto")
+    parsed_ratio = spec.ratio
+    result = tiny_engine.generate(prompt, {"max_tokens": 1, "temperature": 0}, policy=spec)
+    assert spec.ratio == parsed_ratio
+    chosen = result.stats.policy_decisions["ratio"]
+    assert 0.0 <= chosen <= 1.0 and any(note.startswith(f"auto ratio {chosen:.3f}") for note in result.stats.notes)
