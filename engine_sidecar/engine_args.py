@@ -72,7 +72,7 @@ def add_flags(p: argparse.ArgumentParser, settings: list[FlagSetting]) -> None:
     for setting in settings:
         flag = setting.flag
         if flag.negates:
-            p.add_argument(flag.name, action="store_true", help=flag.help)
+            p.add_argument(flag.name, *flag.aliases, action="store_true", help=flag.help)
             continue
         default = setting.field.default
         if flag.unit != 1:
@@ -84,7 +84,7 @@ def add_flags(p: argparse.ArgumentParser, settings: list[FlagSetting]) -> None:
             options["type"] = _PARSERS[flag.parse]
         if setting.choices:
             options["choices"] = list(setting.choices)
-        p.add_argument(flag.name, **options)
+        p.add_argument(flag.name, *flag.aliases, **options)
 
 
 def options_from(args: argparse.Namespace, settings: list[FlagSetting]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ class Flag:
     parse: Parse = "text"
     unit: int = 1  # the setting's units per unit of the flag (GIB: the flag takes GiB, the setting bytes)
     negates: bool = False  # a setting on by default, which this flag turns off
+    aliases: tuple[str, ...] = ()  # other names for the same flag
 
 
 def setting(default: Any, flag: Flag | None = None, flat: str | None = None, factory: Any = None) -> Any:
@@ -58,8 +59,15 @@ class StoreConfig:
     cache_dir: Path | None = setting(None, Flag("--cache-dir", "disk tier folder (default: $RAGCACHE_HOME/kv)",
                                                 parse="path"))
     disk: bool = setting(True, Flag("--no-disk", "keep chunk KV in RAM only", negates=True))
-    ram_bytes: int = setting(2 << 30, Flag("--ram-cache-gb", "RAM tier capacity in GiB (on a GPU, device memory)",
-                                           parse="non_negative", unit=GIB), flat="ram_cache_bytes")
+    ram_bytes: int = setting(2 << 30, Flag("--ram-cache-gb", "the first tier's capacity in GiB: host RAM on a CPU, "
+                                           "device memory on a GPU (--gpu-cache-gb is the same flag)",
+                                           parse="non_negative", unit=GIB, aliases=("--gpu-cache-gb",)),
+                             flat="ram_cache_bytes")
+    host_bytes: int = setting(0, Flag("--host-cache-gb", "on a GPU, a host-RAM tier in GiB behind device memory: "
+                                      "chunk KV evicted from the device moves there (pinned) and comes back with "
+                                      "an asynchronous copy instead of a disk read (0 = off; a CPU ignores it, its "
+                                      "first tier is host RAM already)", parse="non_negative", unit=GIB),
+                              flat="host_cache_bytes")
     disk_bytes: int = setting(20 << 30, Flag("--disk-cache-gb", "disk tier budget in GiB, least recently used files "
                                              "removed first (0 = unlimited)", parse="non_negative", unit=GIB),
                               flat="disk_cache_bytes")

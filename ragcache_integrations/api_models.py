@@ -174,6 +174,11 @@ class CacheStats(BaseModel):
     redis_skipped: int = Field(default=0, description="Redis calls not made while the breaker was open")
     redis_writes: int = Field(default=0, description="Entries written to the Redis tier")
     redis_writes_dropped: int = Field(default=0, description="Entries not written: the Redis write queue was full")
+    host_entries: int = Field(default=0, description="Entries in the host-RAM tier behind device memory (GPU only)")
+    host_bytes: int = 0
+    host_capacity_bytes: int = Field(default=0, description="The host tier's budget (0: no host tier)")
+    hits_host: int = Field(default=0, description="Chunks read back from the host tier (then kept on the device)")
+    host_demotions: int = Field(default=0, description="Entries device memory evicted that moved to the host tier")
     conversations: int = 0
     cptree_nodes: int = 0
 

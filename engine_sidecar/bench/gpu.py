@@ -389,12 +389,85 @@ def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path
                 os.environ.pop("RAGCACHE_KERNELS", None) if previous is None else os.environ.update(
                     RAGCACHE_KERNELS=previous)
             out["triton_vs_torch_engine_max_abs"] = float((torch_logits.float() - triton_logits.float()).abs().max())
+        out["tiers"] = tier_round_trip(device, dtype, work)
         out["pass"] = (out["full_vs_transformers_max_abs"] <= tolerance and out["cacheblend1_vs_full_max_abs"] <= tolerance
-                       and out.get("triton_vs_torch_engine_max_abs", 0.0) <= 4 * tolerance)
+                       and out.get("triton_vs_torch_engine_max_abs", 0.0) <= 4 * tolerance and out["tiers"]["pass"])
         return out
     finally:
         engine.close()
         del reference
+
+
+def tier_round_trip(device: torch.device, dtype: torch.dtype, work: Path) -> dict[str, Any]:
+    """The store's moves on this device: an entry device memory evicts comes back from the host
+    tier bit for bit, the disk tier's file (written from the side stream's host copy) holds it bit
+    for bit, and the read back from the host makes the host wait for nothing (on CUDA)."""
+    from engine_sidecar.store.chunk_store import ChunkStore
+    from engine_sidecar.store.entry import CacheKey, ChunkKV
+
+    shape = (4, 256, 8, 64)
+
+    def entry(seed: int) -> ChunkKV:
+        gen = torch.Generator().manual_seed(seed)
+        return ChunkKV(torch.randn(shape, generator=gen).to(device, dtype),
+                       torch.randn(shape, generator=gen).to(device, dtype), torch.arange(shape[1]), f"c{seed}")
+
+    def key(seed: int) -> CacheKey:
+        return CacheKey("bench", "bench", f"tokens-{seed}", "", "isolated")
+
+    one = entry(0).nbytes
+    store = ChunkStore(one, work / "tier-kv", device, disk_capacity_bytes=0, host_capacity_bytes=4 * one)
+    first = entry(1)
+    expected = first.keys.clone().cpu(), first.values.clone().cpu()
+    store.put(key(1), first)
+    store.put(key(2), entry(2))  # device memory holds one entry: the first moves to the host tier
+    found: list[ChunkKV | None] = []
+    syncs = host_syncs(lambda: found.append(store.get(key(1)))) if device.type == "cuda" else 0
+    if device.type != "cuda":
+        found.append(store.get(key(1)))
+    back = found[0]
+    store.flush()
+    assert store.disk is not None
+    on_disk = store.disk.get(key(1).digest)
+    stats = store.stats()
+    out = {"host_hits": stats.hits_host, "host_demotions": stats.host_demotions, "host_read_syncs": syncs,
+           "host_round_trip_equal": back is not None and back.keys.device.type == device.type
+           and torch.equal(back.keys.cpu(), expected[0]) and torch.equal(back.values.cpu(), expected[1]),
+           "disk_copy_equal": on_disk is not None and torch.equal(on_disk.keys.cpu(), expected[0])
+           and torch.equal(on_disk.values.cpu(), expected[1])}
+    out["pass"] = bool(out["host_round_trip_equal"] and out["disk_copy_equal"] and syncs == 0
+                       and stats.hits_host == 1)
+    return out
+
+
+HOST_TIER_ROW = "reuse (host tier)"
+
+
+def reuse_from_host_tier(engine, stored: list[str], device: torch.device, repeats: int) -> dict[str, Any]:
+    """`reuse` with every stored passage in the host tier and none in device memory: each request
+    copies them back (what a device tier smaller than the working set costs). The engine's tiers
+    are swapped for the measurement and put back after it."""
+    from engine_sidecar.store.ram import RamTier
+    from ragcache_integrations.types import ChunkedPrompt
+
+    store = engine.store
+    device_tier, host_tier = store.ram, store.host
+    store.host = RamTier(1 << 50)
+    for digest, entry in device_tier.items():
+        store.host.put(digest, store.copies.to_host(entry))
+    store.ram = RamTier(0)  # keeps nothing: a hit copies from the host every time
+    try:
+        prompt = ChunkedPrompt(chunks=stored[::-1], question=f"{QUESTION} (host tier)")
+        seconds = timed(device, lambda: engine.prefill_logits(prompt, policy="reuse")[0].float().sum(), repeats)
+        hits_before = store.hits_host
+        _, stats = engine.prefill_logits(prompt, policy="reuse")
+        row = {"ttft_ms": round(seconds * 1e3, 2), "computed_fraction": round(stats.computed_fraction, 3),
+               "chunk_hits": stats.chunk_hits, "host_tier_hits": store.hits_host - hits_before}
+        if device.type == "cuda":
+            row["host_syncs"] = host_syncs(lambda: engine.prefill_logits(prompt, policy="reuse"))
+        return row
+    finally:
+        store.ram, store.host = device_tier, host_tier
 
 
 def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
@@ -421,6 +494,7 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
                             "chunk_hits": stats.chunk_hits}
             if device.type == "cuda":
                 rows[policy]["host_syncs"] = host_syncs(lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))
+        rows[HOST_TIER_ROW] = reuse_from_host_tier(engine, stored, device, args.repeats)
     finally:
         engine.close()
         if device.type == "cuda":
@@ -524,6 +598,13 @@ def write(out: Path, report: dict[str, Any]) -> None:
     (out / "bench-gpu.md").write_text(markdown(report) + "\n")
 
 
+def _tiers_line(tiers: dict[str, Any]) -> str:
+    if not tiers:
+        return "tiers not run"
+    return (f"host tier round trip {'exact' if tiers['host_round_trip_equal'] else 'DIFFERS'}, disk copy "
+            f"{'exact' if tiers['disk_copy_equal'] else 'DIFFERS'}, {tiers['host_read_syncs']} host syncs reading back")
+
+
 def markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
     where = m.get("name", m["device"]) + (f" ({', '.join(m['cpu_flags'])})" if m.get("cpu_flags") else "")
@@ -538,7 +619,8 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{guards['full_vs_transformers_max_abs']:.4g}, cacheblend:1.0 vs full "
                   f"{guards['cacheblend1_vs_full_max_abs']:.4g}"
                   + (f", Triton vs torch engine {guards['triton_vs_torch_engine_max_abs']:.4g}"
-                     if "triton_vs_torch_engine_max_abs" in guards else "") + f"; tolerance {guards['tolerance']})", ""]
+                     if "triton_vs_torch_engine_max_abs" in guards else "") + f"; tolerance {guards['tolerance']}; "
+                  + _tiers_line(guards.get("tiers", {})) + ")", ""]
     split = report.get("kernels", {}).get("few_queries_split_keys")
     if split:
         lines += ["Selective attention, few queries (8B heads, bf16; ms):", "",

@@ -108,8 +108,10 @@ class Engine:
         tiers = config.store
         disk_dir = (tiers.cache_dir or default_cache_dir()) if tiers.disk else None
         redis = RedisTier(tiers.redis_url, ttl_s=tiers.redis_ttl_s) if tiers.redis_url else None
+        # on a CPU the first tier is host RAM already: a host tier behind it would hold copies twice
+        host_bytes = tiers.host_bytes if runner.device.type == "cuda" else 0
         store = ChunkStore(tiers.ram_bytes, Path(disk_dir) if disk_dir else None, runner.device, tiers.disk_bytes,
-                           redis)
+                           redis, host_bytes)
         return cls(runner, builder, store, config, model_dir)
 
     # --- identity ----------------------------------------------------------------------------

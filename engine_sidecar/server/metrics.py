@@ -117,6 +117,9 @@ class ServerMetrics:
             self.store_bytes.labels("disk").set(store.disk_bytes)
             self.store_entries.labels("ram").set(store.ram_entries)
             self.store_entries.labels("disk").set(store.disk_entries)
+            if store.host_capacity_bytes:
+                self.store_bytes.labels("host").set(store.host_bytes)
+                self.store_entries.labels("host").set(store.host_entries)
             for event, count in (("corrupt", store.corrupt_files), ("evicted", store.disk_evictions),
                                  ("write_failed", store.disk_write_failures),
                                  ("write_dropped", store.disk_writes_dropped)):

@@ -1,6 +1,7 @@
-"""The tiered chunk KV store: RAM (LRU by bytes) in front of an optional disk tier (LRU by bytes
-of files, see store/disk.py), and behind both an optional Redis tier shared by several sidecars
-(see store/redis_tier.py)."""
+"""The tiered chunk KV store: RAM (LRU by bytes; on a GPU, device memory) in front of an optional
+host-RAM tier (on a GPU: what device memory evicted, pinned, see store/device_copies.py), an
+optional disk tier (LRU by bytes of files, see store/disk.py), and behind them an optional Redis
+tier shared by several sidecars (see store/redis_tier.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError
+from engine_sidecar.store.device_copies import DeviceCopies
 from engine_sidecar.store.disk import DiskTier
 from engine_sidecar.store.entry import CacheKey, ChunkKV, finite_kv
 from engine_sidecar.store.ram import RamTier
@@ -43,12 +45,22 @@ class StoreStats:
     redis_skipped: int = 0  # calls not made while the breaker was open
     redis_writes: int = 0  # entries written
     redis_writes_dropped: int = 0  # entries not written because the write queue was full
+    # the host tier behind device memory (all 0 without one: on a CPU, or --host-cache-gb 0)
+    host_entries: int = 0
+    host_bytes: int = 0
+    host_capacity_bytes: int = 0
+    hits_host: int = 0
+    host_demotions: int = 0  # entries device memory evicted that moved to the host tier
 
 
 class ChunkStore:
     def __init__(self, ram_capacity_bytes: int, disk_dir: Path | None, device: torch.device,
-                 disk_capacity_bytes: int = 0, redis: RedisTier | None = None):
+                 disk_capacity_bytes: int = 0, redis: RedisTier | None = None, host_capacity_bytes: int = 0):
         self.ram = RamTier(ram_capacity_bytes)
+        # inclusive: an entry read back from the host tier stays there, so evicting it from device
+        # memory again costs no copy
+        self.host = RamTier(host_capacity_bytes) if host_capacity_bytes > 0 else None
+        self.copies = DeviceCopies(device)
         self.disk = DiskTier(disk_dir, disk_capacity_bytes) if disk_dir is not None else None
         self.redis = redis
         self.device = device
@@ -61,7 +73,8 @@ class ChunkStore:
         self._ids_of: dict[str, set[str]] = {}
         if self.disk is not None:
             self.disk.on_gone = self._forget_gone
-        self.hits_ram = self.hits_disk = self.hits_redis = self.misses = 0
+        self.hits_ram = self.hits_disk = self.hits_redis = self.hits_host = self.misses = 0
+        self.host_demotions = 0
         self.refused_non_finite = 0  # entries refused by `put` for holding NaN or infinity
         # (seconds, tokens) of each disk-tier read, for the engine's running cost estimate
         self.on_disk_load: Callable[[float, int], None] | None = None
@@ -76,6 +89,12 @@ class ChunkStore:
         entry = self.ram.get(digest)
         if entry is not None:
             self.hits_ram += 1
+            return entry
+        held = self.host.get(digest) if self.host is not None else None
+        if held is not None and held.tenant == key.tenant:
+            self.hits_host += 1
+            entry = self.copies.to_device(held)
+            self._ram_put(digest, entry)
             return entry
         if self.disk is not None and lazy:
             entry = self.disk.lazy(digest)
@@ -116,7 +135,8 @@ class ChunkStore:
 
     def contains(self, key: CacheKey) -> bool:
         digest = key.digest
-        return (digest in self.ram or (self.disk is not None and digest in self.disk)
+        return (digest in self.ram or (self.host is not None and digest in self.host)
+                or (self.disk is not None and digest in self.disk)
                 or (self.redis is not None and self.redis.contains(digest)))
 
     def put(self, key: CacheKey, entry: ChunkKV) -> None:
@@ -126,11 +146,18 @@ class ChunkStore:
             self.refused_non_finite += 1
             raise NonFiniteKVError(NON_FINITE_MESSAGE)
         digest = key.digest
+        if self.host is not None:  # a stale host copy must not come back in place of this one
+            self.host.remove(digest)
         self._ram_put(digest, entry)
+        if self.disk is None and self.redis is None:
+            return
+        # the writers read a host copy made on the side stream, not the device tensors (a
+        # pageable `.cpu()` on their thread would stall the compute stream)
+        written = self.copies.to_host(entry) if self.copies.on_gpu and entry.reader is None else entry
         if self.disk is not None:
-            self.disk.put(digest, entry)
+            self.disk.put(digest, written)
         if self.redis is not None:
-            self.redis.put(digest, entry)
+            self.redis.put(digest, written)
 
     def remove(self, key: CacheKey) -> bool:
         """Drop one entry from every tier; whether it was held."""
@@ -141,7 +168,23 @@ class ChunkStore:
             if entry.chunk_id:
                 self._by_chunk_id.setdefault(entry.chunk_id, set()).add(digest)
                 self._ids_of.setdefault(digest, set()).add(entry.chunk_id)
-            self._forget_gone(self.ram.put(digest, entry))
+            evicted = self.ram.put_evicting(digest, entry)
+            gone = [d for d, _ in evicted]
+            if self.host is not None:
+                for demoted, held in evicted:
+                    if held.reader is None:
+                        gone += self._demote(demoted, held)
+            self._forget_gone(gone)
+
+    def _demote(self, digest: str, entry: ChunkKV) -> list[str]:
+        """With the lock held: an entry device memory evicted goes to the host tier (unless it is
+        there already); the digests the host tier evicted for it."""
+        assert self.host is not None
+        if digest in self.host:
+            self.host.get(digest)  # most recently used again
+            return []
+        self.host_demotions += 1
+        return self.host.put(digest, self.copies.to_host(entry))
 
     def _forget_gone(self, digests: list[str] | set[str]) -> None:
         """Drop from the chunk-id index the digests no tier holds any more (RAM evicted them, the
@@ -151,7 +194,8 @@ class ChunkStore:
             return
         with self._lock:
             for digest in digests:
-                if digest in self.ram or (self.disk is not None and digest in self.disk):
+                if digest in self.ram or (self.host is not None and digest in self.host) or (
+                        self.disk is not None and digest in self.disk):
                     continue
                 for chunk_id in self._ids_of.pop(digest, ()):
                     held = self._by_chunk_id.get(chunk_id)
@@ -167,6 +211,8 @@ class ChunkStore:
         self.flush()
         if chunk_id is None and tenant is not None:
             digests = {d for d, entry in self.ram.items() if entry.tenant == tenant}
+            if self.host is not None:
+                digests |= {d for d, entry in self.host.items() if entry.tenant == tenant}
             if self.disk is not None:
                 digests |= self.disk.digests_of_tenant(tenant)
             if self.redis is not None:
@@ -177,6 +223,9 @@ class ChunkStore:
             # is one chunk deleted
             digests = {d for d, _ in self.ram.items()}
             self.ram.clear()
+            if self.host is not None:
+                digests.update(d for d, _ in self.host.items())
+                self.host.clear()
             if self.disk is not None:
                 digests.update(self.disk.digests())
                 self.disk.clear()
@@ -197,7 +246,7 @@ class ChunkStore:
         return self._remove_digests(digests)
 
     def _tenant_of(self, digest: str) -> str | None:
-        entry = self.ram.get(digest)
+        entry = self.ram.get(digest) or (self.host.get(digest) if self.host is not None else None)
         if entry is not None:
             return entry.tenant
         if self.disk is not None and digest in self.disk.digests():
@@ -209,6 +258,8 @@ class ChunkStore:
         in_redis = self.redis.remove_many(digests) if self.redis is not None else set()
         for digest in digests:
             hit = self.ram.remove(digest)
+            if self.host is not None:
+                hit = self.host.remove(digest) or hit
             if self.disk is not None:
                 hit = self.disk.remove(digest) or hit
             removed += int(hit or digest in in_redis)
@@ -253,4 +304,9 @@ class ChunkStore:
             redis_skipped=shared.skipped if shared else 0,
             redis_writes=shared.writes if shared else 0,
             redis_writes_dropped=shared.writes_dropped if shared else 0,
+            host_entries=len(self.host) if self.host is not None else 0,
+            host_bytes=self.host.bytes_used if self.host is not None else 0,
+            host_capacity_bytes=self.host.capacity_bytes if self.host is not None else 0,
+            hits_host=self.hits_host,
+            host_demotions=self.host_demotions,
         )

@@ -383,6 +383,7 @@ class DiskTier:
 
     def _write(self, digest: str, entry: ChunkKV) -> None:
         path = self.path_for(digest)
+        entry.wait_ready()
         keys, values = entry.keys.cpu().contiguous(), entry.values.cpu().contiguous()
         if not finite_kv(keys, values):
             raise ValueError("NaN or infinity in the KV: not written")

@@ -61,6 +61,9 @@ class ChunkKV:
     scores: torch.Tensor | None = None
     # `tune_scores` runs on the disk and the Redis writer threads at once: one computes, one waits
     _scores_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    # a host copy still in flight from the device (store.device_copies): the CUDA event recorded
+    # after it; None when the tensors already hold the data
+    ready: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +72,13 @@ class ChunkKV:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes + self.token_ids.nbytes
+
+    def wait_ready(self) -> None:
+        """Block this thread until an in-flight host copy has landed (a writer thread, never a
+        request's)."""
+        ready = self.ready  # read once: the disk and the Redis writer may both be here
+        if ready is not None:
+            ready.synchronize()
 
     def tune_scores(self) -> torch.Tensor:
         """The CacheTune scores the disk and Redis tiers store beside the KV (float32, CPU). Computed

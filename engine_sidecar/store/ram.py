@@ -77,12 +77,16 @@ class RamTier:
     def put(self, digest: str, entry: ChunkKV) -> list[str]:
         """Insert and return the digests evicted to make room (never the new entry itself,
         unless it alone exceeds the capacity)."""
-        evicted: list[str] = []
+        return [gone for gone, _ in self.put_evicting(digest, entry)]
+
+    def put_evicting(self, digest: str, entry: ChunkKV) -> list[tuple[str, ChunkKV]]:
+        """`put`, returning the evicted entries themselves (for a tier behind this one)."""
+        evicted: list[tuple[str, ChunkKV]] = []
         storages = _storages(entry)
         with self._lock:
             self._pop(digest)
             if sum(size for size, _ in storages.values()) > self.capacity_bytes:
-                return [digest]
+                return [(digest, entry)]
             self._entries[digest] = entry
             self._held[digest] = storages
             for key, (size, _) in storages.items():
@@ -94,7 +98,7 @@ class RamTier:
             while self._bytes > self.capacity_bytes:
                 popped = self._pop("", last=False)
                 assert popped is not None
-                evicted.append(popped[0])
+                evicted.append(popped)
         return evicted
 
     def remove(self, digest: str) -> bool:

@@ -135,6 +135,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def encode(digest: str, entry: ChunkKV, segment_bytes: int = SEGMENT_BYTES) -> dict[str, bytes]:
     """The hash's fields for one entry, `meta` last."""
+    entry.wait_ready()  # a host copy still landing from the device
     keys, values = entry.keys.detach().cpu().contiguous(), entry.values.detach().cpu().contiguous()
     if keys.shape != values.shape or keys.dtype != values.dtype or keys.dim() != 4:
         raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} do not match")
@@ -338,6 +339,7 @@ class RedisTier:
         """Write one entry now (on the calling thread): every data field, then `meta`, then the
         TTL, in one MULTI/EXEC; False if it was not written."""
         try:
+            entry.wait_ready()
             if not finite_kv(entry.keys, entry.values):
                 raise ValueError("NaN or infinity in the KV")
             fields = encode(digest, entry, self.segment_bytes)

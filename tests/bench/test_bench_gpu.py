@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_sidecar.bench.gpu import POLICIES
+from engine_sidecar.bench.gpu import HOST_TIER_ROW, POLICIES
 from engine_sidecar.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,8 +26,14 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
     assert "CUDA" in report["kernels"]["skipped"]
     guards = report["guards"]
     assert guards["pass"] and guards["full_vs_transformers_argmax_equal"], guards
+    tiers = guards["tiers"]
+    assert tiers["host_round_trip_equal"] and tiers["disk_copy_equal"]
+    assert (tiers["host_hits"], tiers["host_demotions"]) == (1, 2)  # the second moves out for the first
     ttft = report["ttft_tiny"]
-    assert set(ttft["policies"]) == set(POLICIES) and ttft["tokens"] > 100
+    assert set(ttft["policies"]) == {*POLICIES, HOST_TIER_ROW} and ttft["tokens"] > 100
+    from_host = ttft["policies"][HOST_TIER_ROW]
+    # the passages and the template prefix before them all come from the host tier
+    assert from_host["host_tier_hits"] >= from_host["chunk_hits"] == 3
     assert all(row["ttft_ms"] > 0 for row in ttft["policies"].values())
     assert ttft["policies"]["full"]["chunk_hits"] == 0 and ttft["policies"]["reuse"]["chunk_hits"] == 3
     assert ttft["policies"]["reuse"]["computed_fraction"] < ttft["policies"]["full"]["computed_fraction"]
@@ -36,6 +42,7 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
     assert decode["1"]["output_tokens"] == 4 and decode["2"]["output_tokens"] == 8
     table = (out / "bench-gpu.md").read_text()
     assert report["machine"]["name"] in table and "| full | reuse |" in table and "floor tokens/s" in table
+    assert "host tier round trip exact, disk copy exact" in table
     assert table.strip() in capsys.readouterr().out
 
 

@@ -16,7 +16,7 @@ PASSAGE = "Mount Fuji is 3,776 m high. The Nile flows north."
 @pytest.mark.parametrize("argv,needle", [
     (["serve", "--port", "99999"], "must be a TCP port from 0 to 65535"),
     (["serve", "--port", "-1"], "must be a TCP port"),
-    (["serve", "--ram-cache-gb", "-1"], "--ram-cache-gb: must be >= 0"),
+    (["serve", "--ram-cache-gb", "-1"], "--ram-cache-gb/--gpu-cache-gb: must be >= 0"),
     (["serve", "--conversation-ram-gb", "nan"], "--conversation-ram-gb: must be >= 0"),
     (["serve", "--remember-passages", "-1"], "--remember-passages: must be >= 0"),
     (["generate", "--question", "q", "--policy", "cacheblend:"], "a ':' must be followed by a value"),

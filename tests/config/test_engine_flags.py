@@ -32,8 +32,8 @@ def _settings(config: EngineConfig) -> dict[str, object]:
 
 def test_the_parser_has_exactly_the_configs_flags():
     options = {opt for action in _parser()._actions for opt in action.option_strings} - {"-h", "--help"}
-    assert options == {s.flag.name for s in flags()}
-    assert len(flags()) == len(options)  # no two settings share a flag
+    assert options == {name for s in flags() for name in (s.flag.name, *s.flag.aliases)}
+    assert sum(1 + len(s.flag.aliases) for s in flags()) == len(options)  # no two settings share a flag
 
 
 def test_no_flags_give_the_configs_defaults():
