@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,28 +17,75 @@ GREEDY_BELOW = 1e-5
 def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """The next token: greedy at a temperature below GREEDY_BELOW, else drawn from the tempered,
     top-p-cut distribution. NaN or +inf among the logits raises NonFiniteLogitsError (-inf is a
-    masked token and fine); greedy reads the check and the choice back in one host sync."""
-    # the max propagates NaN and is +inf if any logit is, and -inf only if every logit is
-    finite = torch.isfinite(logits.max())
-    if params.temperature < GREEDY_BELOW:
-        token_id, ok = torch.stack([torch.argmax(logits), finite.to(torch.long)]).tolist()
-        if not ok:
-            raise NonFiniteLogitsError(NON_FINITE_MESSAGE)
-        return int(token_id)
-    if not bool(finite):
-        raise NonFiniteLogitsError(NON_FINITE_MESSAGE)
+    masked token and fine)."""
+    choice = choose_tokens(logits[None], [params], [generator])[0]
+    if isinstance(choice, Exception):
+        raise choice
+    return choice
+
+
+def choose_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None]) -> list[int | NonFiniteLogitsError]:
+    """Each row's next token ([B, V] logits, one row per sequence), with NonFiniteLogitsError in
+    the place of a row whose logits hold NaN or +inf (or overflow once tempered). Every greedy and
+    every unseeded row is chosen on the device and read back together with its finite check: one
+    host sync for the whole batch. A seeded row draws on its CPU generator (the same draw on every
+    device), a read of its own."""
+    out: list[int | NonFiniteLogitsError | None] = [None] * len(params)
+    picked: list[int] = []
+    tokens: list[torch.Tensor] = []
+    checks: list[torch.Tensor] = []
+    greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW]
+    if greedy:
+        rows = logits[greedy] if len(greedy) < logits.shape[0] else logits
+        picked += greedy
+        tokens.append(rows.argmax(dim=-1))
+        # the max propagates NaN and is +inf if any logit is, and -inf only if every logit is
+        checks.append(torch.isfinite(rows.max(dim=-1).values))
+    for i, (p, generator) in enumerate(zip(params, generators, strict=True)):
+        if p.temperature < GREEDY_BELOW:
+            continue
+        if generator is not None:
+            out[i] = _seeded_draw(logits[i], p, generator)
+            continue
+        probs, ok = _tempered(logits[i], p)
+        # a NaN never reaches multinomial: on a GPU that is a device-side assert, fatal to the
+        # process; the row is drawn from a stand-in and its check reports the fault instead
+        safe = torch.where(ok, probs, torch.ones_like(probs))
+        picked.append(i)
+        tokens.append(torch.multinomial(safe / safe.sum(), 1))
+        checks.append(ok[None])
+    if picked:
+        values, finite = torch.stack([torch.cat(tokens), torch.cat(checks).to(torch.long)]).tolist()
+        for i, token, ok in zip(picked, values, finite, strict=True):
+            out[i] = int(token) if ok else NonFiniteLogitsError(NON_FINITE_MESSAGE)
+    return [choice for choice in out if choice is not None]
+
+
+def _tempered(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tempered, top-p-cut probabilities, a device flag: the logits were finite and stayed
+    so once divided by the temperature)."""
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if generator is not None and generator.device != probs.device:
+        # masked_fill, not a boolean index: that one reads the mask's count back
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(outside, 0.0))
+    total = probs.sum()
+    return probs, torch.isfinite(logits.max()) & torch.isfinite(total) & (total > 0)
+
+
+def _seeded_draw(logits: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator) -> int | NonFiniteLogitsError:
+    probs, ok = _tempered(logits, params)
+    if not bool(ok):
+        return NonFiniteLogitsError(NON_FINITE_MESSAGE)
+    if generator.device != probs.device:
         probs = probs.cpu()  # a seeded request's generator is a CPU one: the same draw on every device
     try:
         return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-    except RuntimeError:  # finite logits so large that dividing by the temperature overflowed
-        raise NonFiniteLogitsError(NON_FINITE_MESSAGE) from None
+    except RuntimeError:  # no row of a batch may fail the others
+        return NonFiniteLogitsError(NON_FINITE_MESSAGE)
 
 
 class TextAccumulator:

@@ -19,6 +19,7 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
+from engine_sidecar.engine.sampling import choose_tokens
 from engine_sidecar.engine.sequence import Sequence
 from engine_sidecar.errors import EngineUnavailableError
 from engine_sidecar.execution.executor import decode_batch
@@ -161,6 +162,7 @@ class Scheduler:
             tokens = [s.next_token for s in batch]
             assert all(kv is not None for kv in kvs) and all(t is not None for t in tokens)
             logits = decode_batch(self.runner, kvs, tokens)  # type: ignore[arg-type]
+            choices = choose_tokens(logits, [s.sampling for s in batch], [s.generator for s in batch])
         except BaseException as exc:  # every sequence in the step is affected alike
             log.exception("batched decode step failed")
             for seq in batch:
@@ -169,9 +171,11 @@ class Scheduler:
             self._running = []
             return
         still: list[Sequence] = []
-        for seq, row in zip(batch, logits, strict=True):
+        for seq, choice in zip(batch, choices, strict=True):
             try:
-                more = seq.accept(row)
+                if isinstance(choice, Exception):
+                    raise choice
+                more = seq.accept_token(choice)
             except Exception as exc:  # this sequence's own (its sampling, its text): the others go on
                 seq.release()
                 seq.fail(exc)

@@ -73,8 +73,11 @@ class Sequence:
     def accept(self, logits: torch.Tensor) -> bool:
         """Sample from the next-token logits and emit its text. True while more tokens are wanted
         (then `next_token` is the one to feed back)."""
+        return self.accept_token(choose_token(logits, self.sampling, self.generator))
+
+    def accept_token(self, token: int) -> bool:
+        """Emit a chosen token's text (a decode step chooses the whole batch's at once)."""
         assert self.text is not None
-        token = choose_token(logits, self.sampling, self.generator)
         self.next_token = None
         if token in self.stop_ids:
             self.finish_reason = "stop"

@@ -277,20 +277,20 @@ def test_warming_with_non_finite_kv_is_a_422_and_stores_nothing(tmp_path, smol_d
 
 # --- the scheduler survives any one sequence ------------------------------------------------------
 def test_a_sequence_failing_in_a_decode_step_fails_alone(engine, client, monkeypatch):
-    import engine_sidecar.engine.sequence as sequence
+    from engine_sidecar.engine.sequence import Sequence
 
-    real = sequence.choose_token
+    real = Sequence.accept_token
     calls = {"seed 7": 0}
 
-    def fails_for_seed_7(logits, params, generator):
-        if params.seed == 7:
+    def fails_for_seed_7(self, token):
+        if self.sampling.seed == 7:
             calls["seed 7"] += 1
-            if calls["seed 7"] == 3:  # in a decode step: its first token came from the prefill
+            if calls["seed 7"] == 2:  # in a decode step: its first token came from the prefill
                 raise RuntimeError("this sequence's own fault")
-        return real(logits, params, generator)
+        return real(self, token)
 
     expected = _generate(client, _with_sampling(max_tokens=10)).json()["text"]
-    monkeypatch.setattr(sequence, "choose_token", fails_for_seed_7)
+    monkeypatch.setattr(Sequence, "accept_token", fails_for_seed_7)
     results: dict[str, object] = {}
 
     def ask(name: str, body: dict) -> None:
@@ -303,7 +303,7 @@ def test_a_sequence_failing_in_a_decode_step_fails_alone(engine, client, monkeyp
     for t in threads:
         t.join(timeout=120)
     assert results["good"].status_code == 200 and results["good"].json()["text"] == expected
-    assert calls["seed 7"] == 3
+    assert calls["seed 7"] == 2
     assert results["bad"].status_code == 500  # an engine fault (not the client's), answered, not hung
     assert engine.scheduler.failure is None
     assert client.get("/health").status_code == 200
