@@ -4,6 +4,8 @@ never during planning (a prefill that raises leaves them as they were)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine_sidecar.execution.cachecraft import (
@@ -30,28 +32,48 @@ class ReuseWriter:
 
     def store_span(self, kv: KVBuffer, span: PlanSpan, tenant: str, context: str,
                    meta: dict[str, str] | None = None, key: CacheKey | None = None) -> ChunkKV:
-        entry = ChunkKV(kv.keys_pre[:, span.start : span.end].clone(), kv.values[:, span.start : span.end].clone(),
-                        torch.tensor(span.token_ids, dtype=torch.long), span.chunk_id, tenant, dict(meta or {}))
-        self.store.put(key or self.keys.for_tokens(span.token_ids, tenant, context), entry)
+        key, entry = self._span_entry(kv, span, tenant, context, meta, key)
+        self.store.put(key, entry)
         return entry
 
+    def _span_entry(self, kv: KVBuffer, span: PlanSpan, tenant: str, context: str,
+                    meta: dict[str, str] | None = None, key: CacheKey | None = None) -> tuple[CacheKey, ChunkKV]:
+        entry = ChunkKV(kv.keys_pre[:, span.start : span.end].clone(), kv.values[:, span.start : span.end].clone(),
+                        torch.tensor(span.token_ids, dtype=torch.long), span.chunk_id, tenant, dict(meta or {}))
+        return key or self.keys.for_tokens(span.token_ids, tenant, context), entry
+
     def commit(self, planned: PlannedRequest, result: PrefillResult, tenant: str) -> None:
-        """Keep what this request computed exactly: the template prefix, new CP-Tree nodes, and
-        under the after-prefix convention a first chunk computed fresh right after the prefix."""
+        """Keep what this request computed exactly: the template prefix, new CP-Tree nodes, misses
+        computed in place, Cache-Craft variants, and under the after-prefix convention a first
+        chunk computed fresh right after the prefix. Every entry's KV is checked finite in one
+        host read for all of them, before any is stored (NonFiniteKVError: none is)."""
         plan = planned.plan
         if not plan.spans or plan.policy == "full":
             return
+        writes = self._writes(planned, result.kv, tenant)
+        self.store.check_finite([entry for _, entry, _ in writes])
+        for key, entry, then in writes:
+            self.store.put(key, entry, checked=True)
+            if then is not None:
+                then()
+
+    def _writes(self, planned: PlannedRequest, kv: KVBuffer,
+                tenant: str) -> list[tuple[CacheKey, ChunkKV, Callable[[], None] | None]]:
+        """What `commit` stores, in order, each with what follows its store (a CP-Tree node joins
+        the tree only once its KV is stored; a variant joins the index the same way)."""
+        plan = planned.plan
+        writes: list[tuple[CacheKey, ChunkKV, Callable[[], None] | None]] = []
         first = plan.spans[0]
         if first.kind == "prefix" and first.mode == "fresh":
-            self.store_span(result.kv, first, tenant, "exact")
+            writes.append((*self._span_entry(kv, first, tenant, "exact"), None))
             if self.keys.convention == "after-prefix" and len(plan.spans) > 1:
                 nxt = plan.spans[1]
                 if nxt.kind == "chunk" and nxt.mode == "fresh":
-                    self.store_span(result.kv, nxt, tenant, self.keys.chunk_context(first))
+                    writes.append((*self._span_entry(kv, nxt, tenant, self.keys.chunk_context(first)), None))
         kept: dict[int, ChunkKV] = {}
         for index, proposed in planned.new_nodes:  # KV first: a node in the tree always has its KV
-            kept[index] = self.store_span(result.kv, plan.spans[index], tenant, "", key=self.keys.for_node(proposed))
-            self.cptree.commit(proposed)
+            key, kept[index] = self._span_entry(kv, plan.spans[index], tenant, "", key=self.keys.for_node(proposed))
+            writes.append((key, kept[index], lambda proposed=proposed: self.cptree.commit(proposed)))
         for index, key, chain in planned.in_place:
             # a miss computed in this request: its pre-RoPE keys are position-free already; the
             # chunks it was computed after ride along for choosing among contexts later, and the
@@ -64,17 +86,18 @@ class ReuseWriter:
                 meta["chain"] = chain
             node = kept.get(index)
             if node is None:
-                self.store_span(result.kv, span, tenant, IN_CONTEXT, meta)
+                writes.append((*self._span_entry(kv, span, tenant, IN_CONTEXT, meta), None))
             else:  # the node's tensors under a second key
-                self.store.put(key, ChunkKV(node.keys, node.values, node.token_ids, span.chunk_id, tenant, meta))
+                writes.append((key, ChunkKV(node.keys, node.values, node.token_ids, span.chunk_id, tenant, meta), None))
         for rec in planned.craft:  # Cache-Craft: chunks computed in this request's context become variants
             span = plan.spans[rec.span_index]
             context = prefix_context(rec.prefix)
             variant = Variant(tenant, rec.chunk_digest, rec.prefix, rec.cci, rec.inter,
                               self.keys.for_tokens(span.token_ids, tenant, context))
             # the variant's metadata rides with its KV, so the index can be rebuilt after a restart
-            self.store_span(result.kv, span, tenant, context, {VARIANT_META: variant_to_meta(variant)})
-            self.add_variant(variant)
+            writes.append((*self._span_entry(kv, span, tenant, context, {VARIANT_META: variant_to_meta(variant)}),
+                           lambda variant=variant: self.add_variant(variant)))
+        return writes
 
     def add_variant(self, variant: Variant) -> None:
         for evicted in self.variants.add(variant):

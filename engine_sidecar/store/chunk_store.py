@@ -16,7 +16,7 @@ import torch
 from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError
 from engine_sidecar.store.device_copies import DeviceCopies
 from engine_sidecar.store.disk import DiskTier
-from engine_sidecar.store.entry import CacheKey, ChunkKV, finite_kv
+from engine_sidecar.store.entry import CacheKey, ChunkKV, finite_kv_flag
 from engine_sidecar.store.ram import RamTier
 from engine_sidecar.store.redis_tier import RedisTier
 
@@ -139,12 +139,12 @@ class ChunkStore:
                 or (self.disk is not None and digest in self.disk)
                 or (self.redis is not None and self.redis.contains(digest)))
 
-    def put(self, key: CacheKey, entry: ChunkKV) -> None:
+    def put(self, key: CacheKey, entry: ChunkKV, checked: bool = False) -> None:
         """Keep one entry in every tier. KV holding NaN or infinity is refused (NonFiniteKVError) and
-        no tier changes: whatever computed it fails rather than poison later requests."""
-        if entry.reader is None and not finite_kv(entry.keys, entry.values):
-            self.refused_non_finite += 1
-            raise NonFiniteKVError(NON_FINITE_MESSAGE)
+        no tier changes: whatever computed it fails rather than poison later requests. `checked`:
+        the caller ran `check_finite` on it already (one host read for several entries)."""
+        if not checked and entry.reader is None:
+            self.check_finite([entry])
         digest = key.digest
         if self.host is not None:  # a stale host copy must not come back in place of this one
             self.host.remove(digest)
@@ -158,6 +158,14 @@ class ChunkStore:
             self.disk.put(digest, written)
         if self.redis is not None:
             self.redis.put(digest, written)
+
+    def check_finite(self, entries: list[ChunkKV]) -> None:
+        """NonFiniteKVError if any of these entries' KV holds NaN or infinity: one host read for
+        all of them (each read is a sync on a GPU)."""
+        loaded = [e for e in entries if e.reader is None]
+        if loaded and not bool(torch.stack([finite_kv_flag(e.keys, e.values) for e in loaded]).all()):
+            self.refused_non_finite += 1
+            raise NonFiniteKVError(NON_FINITE_MESSAGE)
 
     def remove(self, key: CacheKey) -> bool:
         """Drop one entry from every tier; whether it was held."""

@@ -39,7 +39,12 @@ IN_CONTEXT = "in-context"
 def finite_kv(keys: torch.Tensor, values: torch.Tensor) -> bool:
     """No NaN or infinity anywhere: KV that held one would poison every later request reading it
     (the softmax of any query that sees a NaN key is NaN). One host sync for both tensors."""
-    return bool(torch.isfinite(keys).all() & torch.isfinite(values).all())
+    return bool(finite_kv_flag(keys, values))
+
+
+def finite_kv_flag(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`finite_kv` as a 0-d bool tensor on the KV's device, not yet read back."""
+    return torch.isfinite(keys).all() & torch.isfinite(values).all()
 
 
 def warmed_after_neighbours(entry: ChunkKV) -> bool:

@@ -83,3 +83,68 @@ def test_the_first_token_is_out_before_the_commit(engine):
     again = engine.generate(ChunkedPrompt(chunks=PASSAGES, question="Which river is longest?"),
                             {"max_tokens": 1}, policy="cacheblend")
     assert again.stats.chunk_hits == len(PASSAGES)
+
+
+def _reads_in(engine: Engine, monkeypatch) -> list[str]:
+    """The values `engine.writer.commit` reads back from tensors (a host sync each on a GPU)."""
+    import torch
+
+    reads: list[str] = []
+    inside = threading.local()
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if getattr(inside, "on", False):
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    commit = engine.writer.commit
+
+    def counted_commit(planned, result, tenant):
+        inside.on = True
+        try:
+            commit(planned, result, tenant)
+        finally:
+            inside.on = False
+
+    monkeypatch.setattr(engine.writer, "commit", counted_commit)
+    return reads
+
+
+def test_a_commit_checks_every_entry_in_one_read(engine, monkeypatch):
+    """The template prefix and three misses computed in place are four entries: their KV is checked
+    finite together, one read, not one per entry."""
+    engine.clear_cache()
+    before = engine.store.stats().ram_entries
+    reads = _reads_in(engine, monkeypatch)
+    engine.generate(ChunkedPrompt(chunks=PASSAGES, question="Which river is longest?"), {"max_tokens": 1},
+                    policy="cacheblend")
+    assert engine.store.stats().ram_entries - before >= 4
+    assert reads == ["__bool__"]
+
+
+def test_a_poisoned_entry_stores_none_of_the_requests_entries(engine, monkeypatch):
+    """One span's KV holding NaN refuses the whole commit before anything is stored: no entry of
+    the request lands beside the poisoned one."""
+    import torch
+
+    from engine_sidecar.errors import NonFiniteKVError
+
+    engine.clear_cache()
+    prompt, _, policy = engine.prep.prepare(ChunkedPrompt(chunks=PASSAGES, question="Which river is longest?"),
+                                            None, "cacheblend", "preserve", "")
+    planned = engine.step.plan(prompt, policy, "")
+    planned, result = engine.step.prefill(planned, policy, prompt, "", planned.plan.num_tokens + 1, {})
+    assert len(planned.in_place) == 3
+    last = planned.plan.spans[planned.in_place[-1][0]]  # the last passage computed in place
+    with torch.inference_mode():  # the buffer is an inference tensor, as the prefill made it
+        result.kv.values[:, last.start] = float("nan")
+    before = engine.store.stats()
+    with pytest.raises(NonFiniteKVError):
+        engine.writer.commit(planned, result, "")
+    engine.store.flush()
+    after = engine.store.stats()
+    assert (after.ram_entries, after.disk_entries) == (before.ram_entries, before.disk_entries)
+    assert engine.store.refused_non_finite == 1

@@ -205,7 +205,7 @@ def test_a_non_finite_file_on_disk_is_a_miss_and_deleted(tiny_engine, monkeypatc
     store = tiny_engine.store
     keys = [tiny_engine.keys.for_tokens([i, 2, 3], "t", "isolated") for i in range(2)]
     with monkeypatch.context() as m:  # the guards of an older writer: none
-        m.setattr(chunk_store, "finite_kv", lambda *_: True)
+        m.setattr(chunk_store, "finite_kv_flag", lambda *_: torch.tensor(True))
         m.setattr(disk, "finite_kv", lambda *_: True)
         for key in keys:
             store.put(key, _entry(float("nan")))

@@ -179,7 +179,7 @@ def test_non_finite_kv_is_never_written_nor_served(server, prefix, monkeypatch):
     client = server.client()
     assert client.exists(f"{prefix}:{key('p').digest}") == 0
     with monkeypatch.context() as m:  # an older writer: no guard
-        m.setattr(chunk_store, "finite_kv", lambda *_: True)
+        m.setattr(chunk_store, "finite_kv_flag", lambda *_: torch.tensor(True))
         m.setattr(redis_tier, "finite_kv", lambda *_: True)
         writer.put(key("p"), poisoned)
         writer.flush()
