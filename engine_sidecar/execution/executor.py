@@ -104,9 +104,10 @@ class ActiveRows:
               sin: torch.Tensor) -> ActiveRows:
         return cls(index, must_keep, hidden, cos[index], sin[index])
 
-    def shrink(self, keep: torch.Tensor) -> None:
-        self.index, self.must_keep, self.hidden = self.index[keep], self.must_keep[keep], self.hidden[keep]
-        self.cos, self.sin = self.cos[keep], self.sin[keep]
+    def shrink(self, kept: torch.Tensor) -> None:
+        """Keep the rows at these positions (ascending indices into the active rows)."""
+        self.index, self.must_keep, self.hidden = self.index[kept], self.must_keep[kept], self.hidden[kept]
+        self.cos, self.sin = self.cos[kept], self.sin[kept]
 
 
 @torch.inference_mode()
@@ -233,10 +234,13 @@ class _FusedRun:
             LayerView(layer, rows.index, rows.must_keep, qkv.k, qkv.v, kv.keys_pre[layer, :n], kv.values[layer, :n],
                       runner.num_layers, qkv.q, self.rope_at)
         )
-        if keep is not None and not bool(keep.all()):
-            keep = keep.to(runner.device)
-            rows.shrink(keep)
-            qkv.q, qkv.k, qkv.v = qkv.q[keep], qkv.k[keep], qkv.v[keep]
+        if keep is not None:
+            # the one read-back of a shrink (the next layer's row count): the rows are then taken by
+            # index, where a boolean mask would read its count back once per tensor taken
+            kept = keep.to(runner.device).nonzero().squeeze(1)
+            if kept.numel() < keep.numel():
+                rows.shrink(kept)
+                qkv.q, qkv.k, qkv.v = qkv.q[kept], qkv.k[kept], qkv.v[kept]
         active = rows.index
         dense = active.shape[0] == n
         # Triton kernels on CUDA, torch references elsewhere (RAGCACHE_KERNELS forces either)
