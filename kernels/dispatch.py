@@ -230,14 +230,21 @@ def kv_deviation_topk(
     return _kv.topk_tokens(deviation, k), deviation
 
 
+def scatter_backend(device: torch.device | str, dense_rows: bool, backend: str | None = None) -> Backend:
+    """Where a row scatter runs. "auto" is torch's index_copy_ on every device: on an H100 it took
+    half the Triton kernel's time, and a Triton launch costs more host time than an aten one (its
+    Python launcher). The Triton kernel runs when forced, on destinations with dense rows."""
+    choice = _requested(backend)
+    if choice == "auto" or not dense_rows:
+        return "torch"
+    return resolve_backend(device, choice)
+
+
 def scatter_rows(
     dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, backend: str | None = None
 ) -> torch.Tensor:
     """dst[index[i]] = src[i] in place along dim 0 (index_copy semantics; unique indices)."""
-    choice = _requested(backend)
-    if choice == "auto" and not rows_are_dense(dst):
-        choice = "torch"
-    if resolve_backend(dst.device, choice) == "triton":
+    if scatter_backend(dst.device, rows_are_dense(dst), backend) == "triton":
         from ragcache_kernels import triton_kv
 
         return triton_kv.scatter_rows(dst, index, src)

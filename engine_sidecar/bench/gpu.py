@@ -286,6 +286,23 @@ def host_syncs(fn: Callable[[], Any]) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def launches(device: torch.device, fn: Callable[[], Any]) -> int:
+    """The work `fn` issues from this thread: kernels and copies the GPU ran (CUDA), else the
+    top-level aten calls (on a GPU each would launch at least one kernel). The host's cost per
+    launch is what bounds a request whose kernels are small."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    events = prof.events()
+    if device.type == "cuda":
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in events if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
 def few_queries_split(device: torch.device, quick: bool) -> list[dict[str, Any]]:
     """The Triton selective attention with the keys in one program per query block and head
     against split across programs (its default when queries are few), 8B shape, bf16."""
@@ -491,7 +508,8 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
             _, stats = engine.prefill_logits(prompt, policy=policy)
             tokens = stats.prefill_tokens_total
             rows[policy] = {"ttft_ms": round(seconds * 1e3, 2), "computed_fraction": round(stats.computed_fraction, 3),
-                            "chunk_hits": stats.chunk_hits}
+                            "chunk_hits": stats.chunk_hits,
+                            "launches": launches(device, lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))}
             if device.type == "cuda":
                 rows[policy]["host_syncs"] = host_syncs(lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))
         rows[HOST_TIER_ROW] = reuse_from_host_tier(engine, stored, device, args.repeats)
@@ -528,6 +546,8 @@ def decode_section(name: str, device: torch.device, dtype: torch.dtype, tokenize
                                            sampling, policy="full"))
 
         ask(0, [])  # warm-up
+        if device.type == "cuda":  # the GPU's kernels are counted whichever thread launched them
+            out["launches_per_token"] = round(launches(device, lambda: ask(0, [])) / args.decode_tokens, 1)
         for clients in args.concurrency:
             results: list = []
             threads = [threading.Thread(target=ask, args=(i, results)) for i in range(clients)]
@@ -644,6 +664,10 @@ def markdown(report: dict[str, Any]) -> str:
                       "| " + " | ".join(f"{r['ttft_ms']} ({r['speedup_vs_full']}×)" for r in value["policies"].values())
                       + f" | {value['transformers_full_ms']} | {value['floor_weights_read_ms']} | "
                         f"{value['floor_full_prefill_ms']} |", ""]
+            unit = "GPU kernels and copies" if report["machine"]["device"] == "cuda" else "aten calls"
+            lines += [f"Launches per request ({unit}): " + ", ".join(f"{name} {r['launches']}"
+                                                                   for name, r in value["policies"].items()
+                                                                   if "launches" in r), ""]
             if any("host_syncs" in r for r in value["policies"].values()):
                 lines += ["Host syncs per request: " + ", ".join(f"{name} {r.get('host_syncs')}"
                                                                  for name, r in value["policies"].items()), ""]
@@ -653,6 +677,8 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [f"| {c} | {r['tokens_per_s']} | {r['floor_tokens_per_s']} | {r['ttft_p50_s']} |"
                       for c, r in value.items() if isinstance(r, dict)]
             lines.append("")
+            if "launches_per_token" in value:
+                lines += [f"GPU kernels and copies per generated token, 1 request: {value['launches_per_token']}", ""]
         elif isinstance(value, dict) and "error" in value:
             lines += [f"{key}: error: {value['error'].splitlines()[0]}", ""]
     return "\n".join(lines).rstrip()

@@ -96,13 +96,14 @@ class ActiveRows:
     index: torch.Tensor  # [A] rows of the prompt, ascending (device)
     must_keep: torch.Tensor  # [A] bool: rows with no cached KV, which no policy may drop
     hidden: torch.Tensor  # [A, hidden]
-    cos: torch.Tensor  # [A, head_dim] RoPE tables at their positions
+    cos: torch.Tensor  # [A, head_dim] RoPE tables at their positions, in the activations' dtype
     sin: torch.Tensor
 
     @classmethod
     def start(cls, index: torch.Tensor, must_keep: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> ActiveRows:
-        return cls(index, must_keep, hidden, cos[index], sin[index])
+        # rounded to the activations' dtype once here, as RoPE would on every call: the same values
+        return cls(index, must_keep, hidden, cos[index].to(hidden.dtype), sin[index].to(hidden.dtype))
 
     def shrink(self, kept: torch.Tensor) -> None:
         """Keep the rows at these positions (ascending indices into the active rows)."""
@@ -240,19 +241,19 @@ class _FusedRun:
             kept = keep.to(runner.device).nonzero().squeeze(1)
             if kept.numel() < keep.numel():
                 rows.shrink(kept)
-                qkv.q, qkv.k, qkv.v = qkv.q[kept], qkv.k[kept], qkv.v[kept]
+                qkv = qkv.take(kept)
         active = rows.index
         dense = active.shape[0] == n
+        q, k_rot = qkv.rotated(rows.cos, rows.sin)
         # Triton kernels on CUDA, torch references elsewhere (RAGCACHE_KERNELS forces either)
         dispatch.scatter_rows(kv.keys_pre[layer], active, qkv.k)
         dispatch.scatter_rows(kv.values[layer], active, qkv.v)
         if self.lazy:
             self.rotate_layer(layer, active)
         elif dense:
-            kv.keys[layer, :n] = apply_rope(qkv.k, rows.cos, rows.sin)
+            kv.keys[layer, :n] = k_rot
         else:
-            dispatch.scatter_rows(kv.keys[layer], active, apply_rope(qkv.k, rows.cos, rows.sin))
-        q = apply_rope(qkv.q, rows.cos, rows.sin)
+            dispatch.scatter_rows(kv.keys[layer], active, k_rot)
         if self.observer is not None:
             self.observer(layer, q, active, kv.keys[layer, :n])
         # positions are 0..n-1 in order, so a row's index is its position
@@ -344,12 +345,12 @@ def decode_batch(runner: ModelRunner, kvs: list[KVBuffer], token_ids: list[int])
     batched = dispatch.batched_decode([kv.keys_pre for kv in kvs], [kv.keys for kv in kvs],
                                       [kv.values for kv in kvs], positions, window)
     position_t = torch.tensor(positions, device=device)
-    cos, sin = runner.rope_tables(position_t)
+    # in the activations' dtype once per step, not per layer and tensor
+    cos, sin = (t.to(runner.dtype) for t in runner.rope_tables(position_t))
     hidden = runner.embed(torch.tensor(token_ids, device=device))
     for layer in range(runner.num_layers):
         qkv = runner.qkv(layer, hidden)
-        k_rot = apply_rope(qkv.k, cos, sin)
-        q = apply_rope(qkv.q, cos, sin)
+        q, k_rot = qkv.rotated(cos, sin)
         if batched is not None:
             batched.append(layer, qkv.k, k_rot, qkv.v)
             attn = batched.attend(layer, q)
@@ -365,6 +366,7 @@ def attend_each(layer: int, kvs: list[KVBuffer], positions: list[int], window: i
                  k_pre: torch.Tensor, k_rot: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Sequence by sequence: write each new row, then attend (every sequence in one native call
     where it applies, bf16 on a CPU; else one torch call each). Returns [B, H * D]."""
+    q = q.contiguous()  # the native call reads rows of H * D
     keys, visible_values = [], []
     for i, (kv, pos) in enumerate(zip(kvs, positions, strict=True)):
         kv.keys_pre[layer, pos] = k_pre[i]

@@ -8,7 +8,6 @@ per-sequence (no batch axis): hidden [T, hidden], q [T, H, D], k/v [T, Hkv, D].
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,11 +63,31 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return resolved
 
 
-@dataclass
 class QKV:
-    q: torch.Tensor
-    k: torch.Tensor  # before RoPE
-    v: torch.Tensor
+    """q, k (before RoPE) and v of some rows, as views into one fused projection `joint`
+    [A, (H + 2 * Hkv) * D]: rows are taken once for all three, and q and k, adjacent in it, are
+    rotated by one RoPE call."""
+
+    def __init__(self, joint: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.joint, self.num_heads, self.num_kv_heads, self.head_dim = joint, num_heads, num_kv_heads, head_dim
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = joint.split((q_size, kv_size, kv_size), dim=-1)
+        self.q = q.unflatten(-1, (num_heads, head_dim))
+        self.k = k.unflatten(-1, (num_kv_heads, head_dim))
+        self.v = v.unflatten(-1, (num_kv_heads, head_dim))
+
+    def take(self, rows: torch.Tensor) -> QKV:
+        """These rows (indices) of q, k and v, in one gather."""
+        return QKV(self.joint[rows], self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def rotated(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [A, H, D] and k [A, Hkv, D] rotated by per-row tables [A, D], in one call (cos/sin
+        already in the activations' dtype spare the call its two conversions). Views, rows not
+        contiguous."""
+        heads = self.num_heads + self.num_kv_heads
+        qk = self.joint[:, : heads * self.head_dim].unflatten(-1, (heads, self.head_dim))
+        out = apply_rope(qk, cos, sin)
+        return out[:, : self.num_heads], out[:, self.num_heads :]
 
 
 class ModelRunner:
@@ -102,8 +121,10 @@ class ModelRunner:
         return F.embedding(token_ids.to(self.device), self.weights.embed)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        # normalised in fp32 and rounded before the weight's product, as transformers does; one
+        # call for the normalisation (torch's own, fused where the device has a kernel for it)
+        # instead of five
+        xf = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)
 
     def qkv(self, layer: int, hidden: torch.Tensor) -> QKV:
@@ -114,10 +135,7 @@ class ModelRunner:
         w = self.weights.layers[layer]
         x = self.rms_norm(hidden, w.input_norm)
         c = self.config
-        out = F.linear(x, w.qkv_proj, w.qkv_bias)
-        q, k, v = out.split((w.q_size, w.kv_size, w.kv_size), dim=-1)
-        return QKV(q.unflatten(-1, (c.num_heads, c.head_dim)), k.unflatten(-1, (c.num_kv_heads, c.head_dim)),
-                   v.unflatten(-1, (c.num_kv_heads, c.head_dim)))
+        return QKV(F.linear(x, w.qkv_proj, w.qkv_bias), c.num_heads, c.num_kv_heads, c.head_dim)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cos_sin(positions.to(self.device), self.inv_freq)
@@ -158,10 +176,10 @@ class ModelRunner:
         """Plain full prefill of one sequence at positions 0..T-1 -> logits [T, vocab]."""
         positions = torch.arange(token_ids.shape[0], device=self.device)
         h = self.embed(token_ids)
+        cos, sin = (t.to(self.dtype) for t in self.rope_tables(positions))
         for layer in range(self.num_layers):
             s = self.qkv(layer, h)
-            cos, sin = self.rope_tables(positions)
-            q, k = apply_rope(s.q, cos, sin), apply_rope(s.k, cos, sin)
+            q, k = s.rotated(cos, sin)
             a = self.attention(q, k, s.v, positions, positions, dense_causal=True)
             h = self.mlp(layer, self.attn_out(layer, h, a))
         return self.logits(h)

@@ -37,12 +37,14 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
     assert all(row["ttft_ms"] > 0 for row in ttft["policies"].values())
     assert ttft["policies"]["full"]["chunk_hits"] == 0 and ttft["policies"]["reuse"]["chunk_hits"] == 3
     assert ttft["policies"]["reuse"]["computed_fraction"] < ttft["policies"]["full"]["computed_fraction"]
+    assert all(ttft["policies"][name]["launches"] > 0 for name in POLICIES)
     assert ttft["transformers_full_ms"] > 0 and ttft["floor_weights_read_ms"] > 0 and ttft["floor_full_prefill_ms"] > 0
     decode = report["decode_tiny"]
     assert decode["1"]["output_tokens"] == 4 and decode["2"]["output_tokens"] == 8
     table = (out / "bench-gpu.md").read_text()
     assert report["machine"]["name"] in table and "| full | reuse |" in table and "floor tokens/s" in table
     assert "host tier round trip exact, disk copy exact" in table
+    assert f"Launches per request (aten calls): full {ttft['policies']['full']['launches']}" in table
     assert table.strip() in capsys.readouterr().out
 
 

@@ -89,3 +89,12 @@ def test_dense_causal_stays_on_torch_in_auto_mode() -> None:
     dense = dispatch.selective_attention(q, k, v, pos, pos, dense_causal=True, backend="auto")
     masked = dispatch.selective_attention(q, k, v, pos, pos, backend="torch")
     torch.testing.assert_close(dense, masked, atol=1e-5, rtol=1e-4)
+
+
+def test_row_scatter_is_torch_in_auto_mode_even_on_cuda(monkeypatch) -> None:
+    # the Triton scatter measured slower than index_copy_ on an H100: "auto" never picks it
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert dispatch.scatter_backend(torch.device("cuda"), dense_rows=True) == "torch"
+    assert dispatch.scatter_backend(torch.device("cuda"), dense_rows=True, backend="triton") == "triton"
+    assert dispatch.scatter_backend(torch.device("cuda"), dense_rows=False, backend="triton") == "torch"
