@@ -31,3 +31,21 @@ def test_taking_rows_takes_them_from_q_k_and_v_alike() -> None:
     rows = torch.tensor([0, 2, 4])
     taken = qkv.take(rows)
     assert torch.equal(taken.q, qkv.q[rows]) and torch.equal(taken.k, qkv.k[rows]) and torch.equal(taken.v, qkv.v[rows])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_is_transformers_arithmetic_bit_for_bit(tmp_path, dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from engine_sidecar.model.runner import ModelRunner
+    from tests.conftest import make_tiny_model
+
+    runner = ModelRunner.load(make_tiny_model(tmp_path, "llama"), device="cpu", dtype=dtype)
+    width = runner.config.hidden_size
+    reference = LlamaRMSNorm(width, eps=runner.config.rms_norm_eps).to(runner.dtype)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        reference.weight.copy_(torch.randn(width, generator=g))
+        for rows in (1, 7, 300):
+            x = (torch.randn(rows, width, generator=g) * 4).to(runner.dtype)
+            assert torch.equal(runner.rms_norm(x, reference.weight), reference(x))
