@@ -351,3 +351,46 @@ int rc_decode_bf16(const bf16* q, const int64_t* kptr, const int64_t* vptr, cons
     }
     return 0;
 }
+
+static inline float from_bf16(bf16 v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline bf16 to_bf16_lanes(float f) {  // to_bf16 without a branch, so the loop vectorises
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (bf16)((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40) : rounded);
+}
+
+// RoPE, NeoX halves, of rows [layers][n][heads][dim] by per-token tables [n][dim] (bf16, the
+// first half read): out1 = r(r(x1 c) - x2 s), out2 = r(r(x2 c) + x1 s), torch's roundings (a
+// product of two bf16 is exact in fp32, so each sum rounds once, then to bf16). One pass over x
+// where torch's four strided passes ran several times slower.
+int rc_rope_bf16(const bf16* x, int64_t x_ls, int64_t x_rs, bf16* out, int64_t o_ls, int64_t o_rs,
+                 const bf16* cos, const bf16* sin, int64_t layers, int64_t n, int64_t heads, int64_t dim,
+                 int nthreads) {
+    if (dim % 2 != 0 || layers <= 0 || n <= 0 || heads <= 0) return -1;
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < layers * n; r++) {
+        const int64_t layer = r / n, t = r % n;
+        const bf16* c = cos + t * dim;
+        const bf16* s = sin + t * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const bf16* xh = x + layer * x_ls + t * x_rs + h * dim;
+            bf16* oh = out + layer * o_ls + t * o_rs + h * dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = from_bf16(xh[i]), b = from_bf16(xh[i + half]);
+                const float cf = from_bf16(c[i]), sf = from_bf16(s[i]);
+                const float ac = from_bf16(to_bf16_lanes(a * cf)), bc = from_bf16(to_bf16_lanes(b * cf));
+                oh[i] = to_bf16_lanes(ac - b * sf);
+                oh[i + half] = to_bf16_lanes(bc + a * sf);
+            }
+        }
+    }
+    return 0;
+}

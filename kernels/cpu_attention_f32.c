@@ -329,3 +329,32 @@ int rc_decode_f32(const float* q, const int64_t* kptr, const int64_t* vptr, cons
     }
     return 0;
 }
+
+// RoPE, NeoX halves, of rows [layers][n][heads][dim] by per-token tables [n][dim] (the first half
+// read): out1 = fma(-x2, s, r(x1 c)), out2 = fma(x1, s, r(x2 c)), torch's roundings (its mul, then
+// its addcmul, which fuses the multiply-add: contraction is off so that nothing else fuses). One
+// pass over x where torch's four strided passes ran several times slower.
+__attribute__((optimize("fp-contract=off")))
+int rc_rope_f32(const float* x, int64_t x_ls, int64_t x_rs, float* out, int64_t o_ls, int64_t o_rs,
+                const float* cos, const float* sin, int64_t layers, int64_t n, int64_t heads, int64_t dim,
+                int nthreads) {
+    if (dim % 2 != 0 || layers <= 0 || n <= 0 || heads <= 0) return -1;
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < layers * n; r++) {
+        const int64_t layer = r / n, t = r % n;
+        const float* c = cos + t * dim;
+        const float* s = sin + t * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float* xh = x + layer * x_ls + t * x_rs + h * dim;
+            float* oh = out + layer * o_ls + t * o_rs + h * dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = xh[i], b = xh[i + half];
+                const float ac = a * c[i], bc = b * c[i];
+                oh[i] = fmaf(-b, s[i], ac);
+                oh[i + half] = fmaf(a, s[i], bc);
+            }
+        }
+    }
+    return 0;
+}

@@ -140,6 +140,9 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
     decode = getattr(lib, f"rc_decode_{suffix}")
     decode.restype = ctypes.c_int
     decode.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, ctypes.c_int]
+    rope = getattr(lib, f"rc_rope_{suffix}")
+    rope.restype = ctypes.c_int
+    rope.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
     return lib
 
 
@@ -216,4 +219,36 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
     decode = getattr(lib, f"rc_decode_{KERNELS[dtype].suffix}")
     rc = decode(q.data_ptr(), kptr.data_ptr(), vptr.data_ptr(), lens.data_ptr(), batch, heads, kv_heads, dim,
                 row_stride, dim**-0.5, out.data_ptr(), torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def _rows_of_heads(t: torch.Tensor) -> bool:
+    """[T, heads, dim] or [layers, T, heads, dim] on the CPU, each token's heads one dense run."""
+    return t.device.type == "cpu" and t.dim() in (3, 4) and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [T, heads, dim] or [layers, T, heads, dim] rotated (NeoX halves) by tables [T, dim] in
+    x's dtype, with torch's roundings, into `out` (x's shape and dtype; a new tensor when None).
+    None where the kernel does not apply (the caller uses torch's ops)."""
+    dtype = x.dtype
+    if dtype not in KERNELS or not _rows_of_heads(x) or x.shape[-1] % 2 or x.numel() == 0:
+        return None
+    if cos.dtype != dtype or sin.dtype != dtype or cos.device.type != "cpu" or sin.device.type != "cpu":
+        return None
+    tokens, heads, dim = x.shape[-3:]
+    if cos.shape != (tokens, dim) or sin.shape != (tokens, dim):
+        return None
+    if out is not None and (out.shape != x.shape or out.dtype != dtype or not _rows_of_heads(out)):
+        return None
+    lib = library(dtype)
+    if lib is None:
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    layers, x_ls = (x.shape[0], x.stride(0)) if x.dim() == 4 else (1, 0)
+    out = torch.empty(x.shape, dtype=dtype) if out is None else out
+    o_ls = out.stride(0) if x.dim() == 4 else 0
+    rc = getattr(lib, f"rc_rope_{KERNELS[dtype].suffix}")(
+        x.data_ptr(), x_ls, x.stride(-3), out.data_ptr(), o_ls, out.stride(-3), cos.data_ptr(), sin.data_ptr(),
+        layers, tokens, heads, dim, torch.get_num_threads())
     return out if rc == 0 else None

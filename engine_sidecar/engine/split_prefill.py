@@ -23,7 +23,7 @@ from engine_sidecar.execution.policies import Policy
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.reuse.planner import PlannedRequest
 from ragcache_integrations.types import ChunkedPrompt
-from ragcache_kernels.rope import apply_rope
+from ragcache_kernels.dispatch import apply_rope
 
 
 @dataclass

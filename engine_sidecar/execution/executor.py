@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_sidecar.execution import host_buffers
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies import LayerView, Policy
 from engine_sidecar.execution.prefetch import LayerPrefetcher, PrefetchTimes
@@ -22,7 +23,6 @@ from engine_sidecar.execution.prophet import ReusedKV
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.store.entry import ChunkKV, warmed_after_neighbours
 from ragcache_kernels import dispatch
-from ragcache_kernels.rope import apply_rope
 
 
 @dataclass
@@ -38,8 +38,7 @@ class KVBuffer:
     def allocate(cls, runner: ModelRunner, capacity: int) -> KVBuffer:
         c = runner.config
         shape = (c.num_layers, capacity, c.num_kv_heads, c.head_dim)
-        kw = {"dtype": runner.dtype, "device": runner.device}
-        return cls(torch.empty(shape, **kw), torch.empty(shape, **kw), torch.empty(shape, **kw))
+        return cls(*(host_buffers.empty(shape, runner.dtype, runner.device) for _ in range(3)))
 
     @property
     def capacity(self) -> int:
@@ -207,7 +206,7 @@ class _FusedRun:
         if not bool(self.has_cache.any()) or self.lazy:
             return None
         kv, n = self.kv, self.n
-        kv.keys[:, :n] = apply_rope(kv.keys_pre[:, :n], self.cos, self.sin)
+        dispatch.apply_rope(kv.keys_pre[:, :n], self.cos, self.sin, out=kv.keys[:, :n])
         for span in self.plan.spans if self.key_scale is not None else ():
             if span.mode == "fuse" and is_tempered(span.cached, self.policy):
                 kv.keys[:, span.start : span.end].mul_(self.key_scale)
@@ -221,7 +220,7 @@ class _FusedRun:
         temper_stale_rows(self.kv.keys[layer, :n], self.tempered, active, self.key_scale)
 
     def rope_at(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return apply_rope(x, self.cos[idx], self.sin[idx])
+        return dispatch.apply_rope(x, self.cos[idx], self.sin[idx])
 
     def layer(self, layer: int, rows: ActiveRows) -> int:
         """One layer over the active rows (which the policy may shrink first); how many it computed."""

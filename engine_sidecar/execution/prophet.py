@@ -31,7 +31,7 @@ import torch
 
 from engine_sidecar.execution.plan import FusionPlan
 from ragcache_kernels.attention import position_mask
-from ragcache_kernels.rope import apply_rope
+from ragcache_kernels.dispatch import apply_rope
 
 if TYPE_CHECKING:
     from engine_sidecar.model.runner import ModelRunner

@@ -17,8 +17,8 @@ from engine_sidecar.errors import UnsupportedDtypeError
 from engine_sidecar.model.config import ModelConfig, load_config
 from engine_sidecar.model.weights import LayerWeights, ModelWeights, load_weights
 from ragcache_kernels import cpu_native
-from ragcache_kernels.dispatch import selective_attention
-from ragcache_kernels.rope import apply_rope, cos_sin, inv_frequencies
+from ragcache_kernels.dispatch import apply_rope, selective_attention
+from ragcache_kernels.rope import cos_sin, inv_frequencies
 
 log = logging.getLogger("ragcache.model")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
