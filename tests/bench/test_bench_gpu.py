@@ -44,7 +44,7 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
     table = (out / "bench-gpu.md").read_text()
     assert report["machine"]["name"] in table and "| full | reuse |" in table and "floor tokens/s" in table
     assert "host tier round trip exact, disk copy exact" in table
-    assert f"Launches per request (aten calls): full {ttft['policies']['full']['launches']}" in table
+    assert f"Launches per request (aten ops, views excluded): full {ttft['policies']['full']['launches']}" in table
     assert table.strip() in capsys.readouterr().out
 
 
