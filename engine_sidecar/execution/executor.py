@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_sidecar.execution import host_buffers
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies import LayerView, Policy
 from engine_sidecar.execution.prefetch import LayerPrefetcher, PrefetchTimes
@@ -38,7 +37,8 @@ class KVBuffer:
     def allocate(cls, runner: ModelRunner, capacity: int) -> KVBuffer:
         c = runner.config
         shape = (c.num_layers, capacity, c.num_kv_heads, c.head_dim)
-        return cls(*(host_buffers.empty(shape, runner.dtype, runner.device) for _ in range(3)))
+        kw = {"dtype": runner.dtype, "device": runner.device}
+        return cls(torch.empty(shape, **kw), torch.empty(shape, **kw), torch.empty(shape, **kw))
 
     @property
     def capacity(self) -> int:
