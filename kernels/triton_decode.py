@@ -38,12 +38,21 @@ class DecodeBatch:
     dtype: torch.dtype
     device: torch.device
     longest: int  # most visible keys of any sequence (host int: sizes the key split)
+    # key slices per sequence and KV head; None: chosen from `longest` at each launch. A CUDA
+    # graph fixes it, since a replay cannot change a launch's grid
+    splits: int | None = None
 
     def append(self, layer: int, keys_pre: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         append_rows(self, layer, keys_pre, keys, values)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        return decode_attention(self, layer, q)
+        return decode_attention(self, layer, q, splits=self.splits)
+
+    def write_and_attend(self, layer: int, q: torch.Tensor, keys_pre: torch.Tensor, keys: torch.Tensor,
+                         values: torch.Tensor) -> torch.Tensor:
+        """The new rows written, then every sequence's query attended: two launches."""
+        self.append(layer, keys_pre, keys, values)
+        return self.attend(layer, q)
 
 
 def decode_batch_table(
@@ -56,12 +65,33 @@ def decode_batch_table(
     """Sequence b writes its new row at `positions[b]` of keys_pre[b]/keys[b]/values[b] (each
     [layers, capacity, kv_heads, head_dim], contiguous, capacity > position) and attends rows
     [start, position] (start = 0, or the window's first row)."""
+    columns, longest = table_columns(keys_pre, keys, values, positions, sliding_window)
+    host = torch.tensor(columns, dtype=torch.int64).T.contiguous()
+    first = keys[0]
+    if first.device.type == "cuda":
+        host = host.pin_memory()
+    table = host.to(first.device, non_blocking=True)
+    _, _, kv_heads, head_dim = first.shape
+    return DecodeBatch(table, len(keys), kv_heads, head_dim, first.dtype, first.device, longest)
+
+
+TABLE_ROWS = 6  # keys_pre, keys and values addresses, layer stride, the new row, the first visible row
+
+
+def table_columns(
+    keys_pre: list[torch.Tensor],
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    positions: list[int],
+    sliding_window: int | None = None,
+) -> tuple[list[tuple[int, ...]], int]:
+    """Each sequence's TABLE_ROWS values (its column of the table), after checking its buffers,
+    and the most keys any sequence sees."""
     if not keys or not (len(keys_pre) == len(keys) == len(values) == len(positions)):
         raise ValueError("one keys_pre, keys, values buffer and position per sequence")
     first = keys[0]
     if first.dim() != 4:
         raise ValueError("KV buffers must be [layers, capacity, kv_heads, head_dim]")
-    _, _, kv_heads, head_dim = first.shape
     columns = []
     longest = 0
     for kp, k, v, pos in zip(keys_pre, keys, values, positions, strict=True):
@@ -75,11 +105,7 @@ def decode_batch_table(
         start = 0 if sliding_window is None else max(0, pos + 1 - sliding_window)
         longest = max(longest, pos + 1 - start)
         columns.append((kp.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), pos, start))
-    host = torch.tensor(columns, dtype=torch.int64).T.contiguous()
-    if first.device.type == "cuda":
-        host = host.pin_memory()
-    table = host.to(first.device, non_blocking=True)
-    return DecodeBatch(table, len(keys), kv_heads, head_dim, first.dtype, first.device, longest)
+    return columns, longest
 
 
 @triton.jit

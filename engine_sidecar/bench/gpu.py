@@ -24,43 +24,35 @@ Needs torch and transformers (reference only); runs without fastapi or rich.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
 import platform
-import shutil
 import statistics
-import sys
 import tempfile
-import threading
 import time
 import traceback
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-# Llama shapes (hidden, intermediate, layers, heads, kv heads, head dim), as in their configs
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32),
-    "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=64),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128),
-}
-ROPE = {"rope_theta": 500000.0, "rope_type": "default"}
+from engine_sidecar.bench.gpu_counts import host_syncs, launches, sync
+from engine_sidecar.bench.gpu_decode import decode_section, graph_decode_guard
+from engine_sidecar.bench.gpu_models import (
+    QUESTION,
+    SHAPES,
+    engine_on,
+    hf_reference,
+    model_folder,
+    param_bytes,
+    passages,
+    prefill_flops,
+    random_runner,
+)
+
 POLICIES = ("full", "reuse", "cacheblend:0.15", "cacheblend", "epic:16", "cachecraft:1")
-QUESTION = "Which of the passages above names the person who founded the company, and in what year?"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "generation_config.json")
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_s.json"
 
 
 # --- the machine -----------------------------------------------------------------------------------
@@ -86,11 +78,6 @@ def describe_machine(device: torch.device) -> dict[str, Any]:
             info["name"] = platform.processor() or "cpu"
         info["threads"] = torch.get_num_threads()
     return info
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(device: torch.device, fn: Callable[[], Any], repeats: int, warmups: int = 2) -> float:
@@ -121,73 +108,6 @@ def measure_peaks(device: torch.device, dtype: torch.dtype, quick: bool) -> dict
     return {"bandwidth_gb_s": round(2 * n_bytes / copy_s / 1e9, 1), "matmul_tflop_s": round(2 * size**3 / mm_s / 1e12, 2)}
 
 
-# --- models with random weights ----------------------------------------------------------------------
-def model_folder(shape: dict[str, Any], tokenizer_dir: Path, out: Path, vocab_size: int = 49152) -> Path:
-    """A model folder holding the tokenizer and a Llama config of `shape` (no weights: they are made
-    on the device by `random_runner`). The placeholder weights file keeps the fingerprints honest."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, out / name)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
-              "rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "tie_word_embeddings": False,
-              "rope_parameters": ROPE, "bos_token_id": 1, "eos_token_id": 2, **shape}
-    (out / "config.json").write_text(json.dumps(config))
-    save_file({"placeholder": torch.zeros(1)}, str(out / "model.safetensors"))
-    return out
-
-
-def random_runner(model_dir: Path, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A ModelRunner of the folder's shape with random weights made on the device (an 8B shape
-    never touches the host)."""
-    from engine_sidecar.model.config import load_config
-    from engine_sidecar.model.runner import ModelRunner
-    from engine_sidecar.model.weights import LayerWeights, ModelWeights
-
-    c = load_config(model_dir)
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def rand(*size: int) -> torch.Tensor:
-        return (torch.randn(*size, device=device, generator=gen) * 0.02).to(dtype)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, device=device, dtype=dtype)
-
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layers = [LayerWeights(ones(c.hidden_size), rand(q + 2 * kv, c.hidden_size), None, rand(c.hidden_size, q),
-                           ones(c.hidden_size), rand(2 * c.intermediate_size, c.hidden_size),
-                           rand(c.hidden_size, c.intermediate_size), q, kv) for _ in range(c.num_layers)]
-    weights = ModelWeights(rand(c.vocab_size, c.hidden_size), layers, ones(c.hidden_size),
-                           rand(c.vocab_size, c.hidden_size))
-    return ModelRunner(c, weights, dtype, device)
-
-
-def engine_on(runner, model_dir: Path, **options):
-    from engine_sidecar.engine.engine import Engine
-    from engine_sidecar.engine_config import EngineConfig
-
-    config = EngineConfig.from_options(model=str(model_dir), device=runner.device.type,
-                                       dtype=str(runner.dtype).removeprefix("torch."), disk=False, **options)
-    return Engine.from_runner(runner, model_dir, config)
-
-
-def hf_reference(shape: dict[str, Any], device: torch.device, dtype: torch.dtype):
-    """transformers' Llama of the same shape (random init, sdpa attention): the full-prefill peer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=32768,
-                         tie_word_embeddings=False, rope_parameters=ROPE, attn_implementation="sdpa", **shape)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def transformers_prefill_s(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tokens: int,
                            repeats: int) -> float:
     """Median seconds of transformers' full prefill of `tokens` random ids (the last token's logits)."""
@@ -199,46 +119,6 @@ def transformers_prefill_s(shape: dict[str, Any], device: torch.device, dtype: t
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return seconds
-
-
-def param_bytes(shape: dict[str, Any], dtype: torch.dtype, vocab: int = 49152) -> int:
-    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-    return (n * per_layer + 2 * vocab * h + h) * torch.empty((), dtype=dtype).element_size()
-
-
-def prefill_flops(shape: dict[str, Any], tokens: int, vocab: int = 49152) -> float:
-    """Matmul FLOPs of a causal prefill: 2 x params x tokens, plus QK^T and PV over the causal half,
-    plus the last token's lm_head."""
-    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
-    dense = 2 * tokens * n * (h * (q + 2 * kv) + q * h + 3 * h * i)
-    attention = n * 2 * 2 * q * tokens * tokens / 2
-    return dense + attention + 2 * vocab * h
-
-
-# --- passages ---------------------------------------------------------------------------------------
-def passages(count: int, tokens: int, encode: Callable[[str], list[int]], data: Path | None) -> list[str]:
-    """`count` passages of about `tokens` tokens each, joined from a QA set's passages (the bundled
-    sample's when neither `data` nor ../shared/data is there)."""
-    from engine_sidecar.bench.stream import corpus_texts
-
-    texts, source = corpus_texts(data or (SHARED_DATA if SHARED_DATA.is_file() else None))
-    texts = [t for t in texts if len(t.split()) > 20]
-    if not texts:
-        raise ValueError(f"{source}: no passages to build prompts from")
-    out, i = [], 0
-    while len(out) < count:
-        parts: list[str] = []
-        while len(encode(" ".join(parts))) < tokens:
-            parts.append(texts[i % len(texts)])
-            i += 1
-        words = " ".join(parts).split()
-        while len(encode(" ".join(words))) > tokens and len(words) > 1:  # trim back to the length
-            words = words[: max(1, int(len(words) * 0.95))]
-        out.append(" ".join(words) + f" (passage {len(out)})")
-    return out
 
 
 # --- sections -----------------------------------------------------------------------------------------
@@ -275,62 +155,6 @@ def kernels_section(device: torch.device, quick: bool) -> dict[str, Any]:
     out["timings"] = [{k: r[k] for k in ("op", "impl", "shape", "ms", "speedup_vs_reference")}
                       for r in kernel_bench.run(args)["results"]]
     return out
-
-
-def host_syncs(fn: Callable[[], Any]) -> int:
-    """How many times `fn` made the host wait for the GPU (CUDA's sync debug mode warns on each)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts the aten ops that reach a backend kernel on this thread (views excluded)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if not func.is_view:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def _stderr_silenced() -> Iterator[None]:
-    """The profiler's C++ side prints a line on every start and stop: kept out of the report."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-def launches(device: torch.device, fn: Callable[[], Any]) -> int:
-    """The work `fn` issues: on CUDA the kernels and copies the GPU ran (Triton's included, from
-    any thread), else the aten ops that reach a kernel on this thread, views excluded (on a GPU
-    each would be a launch). The host's cost per launch is what bounds a request whose kernels
-    are small."""
-    if device.type != "cuda":
-        with _OpCounter() as counter:
-            fn()
-        return counter.count
-    from torch.profiler import ProfilerActivity, profile
-
-    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync(device)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def few_queries_split(device: torch.device, quick: bool) -> list[dict[str, Any]]:
@@ -436,9 +260,11 @@ def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path
                 os.environ.pop("RAGCACHE_KERNELS", None) if previous is None else os.environ.update(
                     RAGCACHE_KERNELS=previous)
             out["triton_vs_torch_engine_max_abs"] = float((torch_logits.float() - triton_logits.float()).abs().max())
+            out["graph_decode"] = graph_decode_guard(engine.runner, tolerance)
         out["tiers"] = tier_round_trip(device, dtype, work)
         out["pass"] = (out["full_vs_transformers_max_abs"] <= tolerance and out["cacheblend1_vs_full_max_abs"] <= tolerance
-                       and out.get("triton_vs_torch_engine_max_abs", 0.0) <= 4 * tolerance and out["tiers"]["pass"])
+                       and out.get("triton_vs_torch_engine_max_abs", 0.0) <= 4 * tolerance and out["tiers"]["pass"]
+                       and out.get("graph_decode", {}).get("pass", True))
         return out
     finally:
         engine.close()
@@ -558,47 +384,6 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
             "floor_full_prefill_ms": round(prefill_flops(shape, tokens) / (peaks["matmul_tflop_s"] * 1e12) * 1e3, 2)}
 
 
-def decode_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
-                   args: argparse.Namespace, peaks: dict[str, float]) -> dict[str, Any]:
-    from ragcache_integrations.types import ChunkedPrompt
-
-    shape = SHAPES[name]
-    folder = model_folder(shape, tokenizer_dir, work / f"model-{name}")
-    engine = engine_on(random_runner(folder, device, dtype), folder, ram_cache_bytes=args.ram_bytes)
-    step_floor_s = param_bytes(shape, dtype) / (peaks["bandwidth_gb_s"] * 1e9)
-    out: dict[str, Any] = {"tokens_each": args.decode_tokens, "floor_step_ms": round(step_floor_s * 1e3, 3)}
-    try:
-        texts = passages(8, 200, lambda t: engine.builder.tokenizer.encode(t), args.data)
-        sampling = {"max_tokens": args.decode_tokens, "ignore_eos": True, "temperature": 0.0}
-
-        def ask(i: int, results: list) -> None:
-            results.append(engine.generate(ChunkedPrompt(chunks=[texts[i % len(texts)]], question=f"Summarize ({i})."),
-                                           sampling, policy="full"))
-
-        ask(0, [])  # warm-up
-        if device.type == "cuda":  # the GPU's kernels are counted whichever thread launched them
-            out["launches_per_token"] = round(launches(device, lambda: ask(0, [])) / args.decode_tokens, 1)
-        for clients in args.concurrency:
-            results: list = []
-            threads = [threading.Thread(target=ask, args=(i, results)) for i in range(clients)]
-            started = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - started
-            produced = sum(len(r.token_ids) for r in results)
-            out[f"{clients}"] = {"wall_s": round(wall, 3), "output_tokens": produced,
-                                 "tokens_per_s": round(produced / wall, 1),
-                                 "ttft_p50_s": round(statistics.median(r.stats.ttft_s for r in results), 4),
-                                 "floor_tokens_per_s": round(clients / step_floor_s, 1)}
-    finally:
-        engine.close()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return out
-
-
 # --- the command ------------------------------------------------------------------------------------
 def run_gpu_bench(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -632,6 +417,9 @@ def run_gpu_bench(args: argparse.Namespace) -> dict[str, Any]:
             section(f"ttft_{name}", lambda n=name: ttft_section(n, device, dtype, tokenizer_dir, work, args, peaks))
         section(f"decode_{shapes[-1]}", lambda: decode_section(shapes[-1], device, dtype, tokenizer_dir, work, args,
                                                                peaks))
+        if device.type == "cuda":
+            section(f"decode_{shapes[-1]}_graphs", lambda: decode_section(shapes[-1], device, dtype, tokenizer_dir,
+                                                                          work, args, peaks, graphs=True))
     write(args.out, report)
     print(markdown(report))
     return report
@@ -702,13 +490,16 @@ def markdown(report: dict[str, Any]) -> str:
                 lines += ["Host syncs per request: " + ", ".join(f"{name} {r.get('host_syncs')}"
                                                                  for name, r in value["policies"].items()), ""]
         elif key.startswith("decode_") and "tokens_each" in value:
-            lines += [f"Decode, {key[7:]} shape, {value['tokens_each']} tokens each:", "",
-                      "| concurrent | tokens/s | floor tokens/s | TTFT p50 s |", "|---|---|---|---|"]
+            how = "replayed from CUDA graphs" if value.get("graphs") else "launched op by op"
+            lines += [f"Decode, {key[7:].removesuffix('_graphs')} shape, {value['tokens_each']} tokens each, {how}:",
+                      "", "| concurrent | tokens/s | floor tokens/s | TTFT p50 s |", "|---|---|---|---|"]
             lines += [f"| {c} | {r['tokens_per_s']} | {r['floor_tokens_per_s']} | {r['ttft_p50_s']} |"
                       for c, r in value.items() if isinstance(r, dict)]
             lines.append("")
             if "launches_per_token" in value:
                 lines += [f"GPU kernels and copies per generated token, 1 request: {value['launches_per_token']}", ""]
+            if "graph_capture_failed" in value:
+                lines += [f"Graph capture failed, decoded op by op: {value['graph_capture_failed']}", ""]
         elif isinstance(value, dict) and "error" in value:
             lines += [f"{key}: error: {value['error'].splitlines()[0]}", ""]
     return "\n".join(lines).rstrip()

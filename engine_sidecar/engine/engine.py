@@ -29,6 +29,7 @@ from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.calibration import resolve as fused_temperatures
 from engine_sidecar.execution.costs import CostMeter
+from engine_sidecar.execution.decode_graphs import decode_graphs
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import Policy, parse_policy
 from engine_sidecar.model.prepare import resolve_model_dir
@@ -89,7 +90,8 @@ class Engine:
                                    eos_token_ids(runner.config.eos_token_ids, builder.tokenizer), self.max_context,
                                    config.reuse.convention, self.conversations, self.precompute)
         self.scheduler = Scheduler(runner, self._lock, self.steps, config.batching.max_batch,
-                                   max(1, config.batching.kv_bytes // kv_row_bytes))
+                                   max(1, config.batching.kv_bytes // kv_row_bytes),
+                                   decode_graphs(runner, config.batching, self.max_context))
 
     @classmethod
     def from_pretrained(cls, model: str | Path = "default", device: str = "auto", dtype: str = "auto",

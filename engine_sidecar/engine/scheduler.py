@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from engine_sidecar.engine.sampling import choose_tokens
 from engine_sidecar.engine.sequence import Sequence
 from engine_sidecar.errors import EngineUnavailableError
+from engine_sidecar.execution.decode_graphs import DecodeGraphs
 from engine_sidecar.execution.executor import decode_batch
 
 if TYPE_CHECKING:
@@ -37,11 +38,11 @@ class SchedulerClosed(EngineUnavailableError):
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, lock: threading.RLock, steps: SequenceSteps, max_batch: int,
-                 kv_budget_tokens: int):
+                 kv_budget_tokens: int, graphs: DecodeGraphs | None = None):
         """`steps.begin(seq)` plans and prefills a sequence and samples its first token (True while
         it wants more); `steps.complete(seq)` runs after its last token. Both run on the stepping
-        thread with `lock` held."""
-        self.runner, self.lock = runner, lock
+        thread with `lock` held. `graphs`, where given, replays decode steps from CUDA graphs."""
+        self.runner, self.lock, self.graphs = runner, lock, graphs
         self.steps = steps
         self.max_batch = max(1, max_batch)
         self.kv_budget_tokens = kv_budget_tokens
@@ -161,7 +162,9 @@ class Scheduler:
             kvs = [s.kv for s in batch]
             tokens = [s.next_token for s in batch]
             assert all(kv is not None for kv in kvs) and all(t is not None for t in tokens)
-            logits = decode_batch(self.runner, kvs, tokens)  # type: ignore[arg-type]
+            logits = self.graphs.decode(kvs, tokens) if self.graphs is not None else None  # type: ignore[arg-type]
+            if logits is None:
+                logits = decode_batch(self.runner, kvs, tokens)  # type: ignore[arg-type]
             choices = choose_tokens(logits, [s.sampling for s in batch], [s.generator for s in batch])
         except BaseException as exc:  # every sequence in the step is affected alike
             log.exception("batched decode step failed")

@@ -343,21 +343,36 @@ def decode_batch(runner: ModelRunner, kvs: list[KVBuffer], token_ids: list[int])
     window = runner.config.sliding_window
     batched = dispatch.batched_decode([kv.keys_pre for kv in kvs], [kv.keys for kv in kvs],
                                       [kv.values for kv in kvs], positions, window)
-    position_t = torch.tensor(positions, device=device)
+    if batched is not None:
+        attend = batched.write_and_attend
+    else:
+        def attend(layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+            return attend_each(layer, kvs, positions, window, q, k_pre, k_rot, v)
+    logits = decode_layers(runner, torch.tensor(token_ids, device=device), torch.tensor(positions, device=device),
+                           attend)
+    for kv, pos in zip(kvs, positions, strict=True):
+        kv.length = pos + 1
+    return logits
+
+
+# (layer, q [B, H, D], pre-RoPE keys, rotated keys, values [B, Hkv, D]) -> attention [B, H * D],
+# after writing the new rows into each sequence's KV
+WriteAndAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def decode_layers(runner: ModelRunner, tokens: torch.Tensor, positions: torch.Tensor,
+                  attend: WriteAndAttend) -> torch.Tensor:
+    """Every layer of one decode step, from the new tokens [B] at `positions` [B] to logits
+    [B, vocab]. It reads no value back to the host, so a CUDA graph can capture it whole."""
     # in the activations' dtype once per step, not per layer and tensor
-    cos, sin = (t.to(runner.dtype) for t in runner.rope_tables(position_t))
-    hidden = runner.embed(torch.tensor(token_ids, device=device))
+    cos, sin = (t.to(runner.dtype) for t in runner.rope_tables(positions))
+    hidden = runner.embed(tokens)
     for layer in range(runner.num_layers):
         qkv = runner.qkv(layer, hidden)
         q, k_rot = qkv.rotated(cos, sin)
-        if batched is not None:
-            batched.append(layer, qkv.k, k_rot, qkv.v)
-            attn = batched.attend(layer, q)
-        else:
-            attn = attend_each(layer, kvs, positions, window, q, qkv.k, k_rot, qkv.v)
+        attn = attend(layer, q, qkv.k, k_rot, qkv.v)
         hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn))
-    for kv, pos in zip(kvs, positions, strict=True):
-        kv.length = pos + 1
     return runner.logits(hidden)
 
 
