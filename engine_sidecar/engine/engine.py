@@ -30,6 +30,7 @@ from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.calibration import resolve as fused_temperatures
 from engine_sidecar.execution.costs import CostMeter
 from engine_sidecar.execution.decode_graphs import decode_graphs
+from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import Policy, parse_policy
 from engine_sidecar.model.prepare import resolve_model_dir
@@ -82,13 +83,17 @@ class Engine:
         self.planning = PlanStage(builder, self.keys, store, self.cptree, self.variants, self.conversations,
                                   self.access_table, self.writer, self.precompute, self.costs, config)
         self.step = PrefillStep(self.planning, self.prefill_stage, self.writer)
-        self.probes = FidelityProbes(runner, builder, self.prep, self._lock, self.step, config.reuse.convention)
+        # on a GPU torch's caching allocator already recycles device memory
+        self.kv_pool = KVPool(runner, config.batching.kv_bytes, config.batching.max_batch) \
+            if runner.device.type == "cpu" else None
+        self.probes = FidelityProbes(runner, builder, self.prep, self._lock, self.step, config.reuse.convention,
+                                     self.kv_pool)
         self.split = SplitPrefill(runner, self.prep, self.step, self._lock)  # vLLM connector
         c = runner.config
         kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
         self.steps = SequenceSteps(self.step, runner, builder.decode,
                                    eos_token_ids(runner.config.eos_token_ids, builder.tokenizer), self.max_context,
-                                   config.reuse.convention, self.conversations, self.precompute)
+                                   config.reuse.convention, self.conversations, self.precompute, self.kv_pool)
         self.scheduler = Scheduler(runner, self._lock, self.steps, config.batching.max_batch,
                                    max(1, config.batching.kv_bytes // kv_row_bytes),
                                    decode_graphs(runner, config.batching, self.max_context))

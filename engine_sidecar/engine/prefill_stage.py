@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from engine_sidecar.execution.costs import CostMeter
-from engine_sidecar.execution.executor import PrefillResult, fused_prefill
+from engine_sidecar.execution.executor import KVBuffer, PrefillResult, fused_prefill
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies import Policy
 from engine_sidecar.execution.prefetch import preload_depth
@@ -24,7 +24,7 @@ class PrefillStage:
 
     def run(self, planned: PlannedRequest, policy: Policy, capacity: int, times: dict[str, float],
             replan: Callable[[], PlannedRequest] | None, upto: int | None = None,
-            ) -> tuple[PlannedRequest, PrefillResult]:
+            allocate: Callable[[int], KVBuffer] | None = None) -> tuple[PlannedRequest, PrefillResult]:
         """Run the plan (disk-tier KV prefetched layer by layer), learn costs, promote what was
         read to RAM. A file found damaged mid-read was deleted: plan again reading whole files.
         With `upto`, only the spans that start before it run, without logits (a prefill another
@@ -36,7 +36,8 @@ class PrefillStage:
                 plan, observer = FusionPlan([s for s in plan.spans if s.start < upto], plan.policy), None
             try:
                 result = fused_prefill(self.runner, plan, policy, capacity=capacity, need_logits=upto is None,
-                                       observer=observer, prefetch_depth=self._preload_depth(planned))
+                                       observer=observer, prefetch_depth=self._preload_depth(planned),
+                                       allocate=allocate)
             except DamagedCacheFile:
                 if attempt or replan is None:
                     raise

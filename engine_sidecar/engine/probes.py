@@ -13,6 +13,7 @@ from engine_sidecar.engine.request_prep import RequestPreparer
 from engine_sidecar.engine.stats import request_stats
 from engine_sidecar.engine.step import PrefillStep
 from engine_sidecar.execution.executor import PrefillResult, decode_step, fused_prefill
+from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import Policy, parse_policy
 from engine_sidecar.model.runner import ModelRunner
@@ -22,10 +23,13 @@ from ragcache_integrations.types import ChunkedPrompt, GenerationStats
 
 class FidelityProbes:
     def __init__(self, runner: ModelRunner, builder: PromptBuilder, prep: RequestPreparer, lock: threading.RLock,
-                 step: PrefillStep, convention: str):
+                 step: PrefillStep, convention: str, kv_pool: KVPool | None = None):
         self.runner, self.builder, self.prep, self.step = runner, builder, prep, step
         self._lock = lock  # the engine's
         self.convention = convention
+        # KV buffers as the scheduler's requests get them, so a probe's time is theirs
+        self.kv_pool = kv_pool
+        self._allocate = kv_pool.take if kv_pool is not None else None
 
     def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
                        tenant: str = "", order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
@@ -43,10 +47,11 @@ class FidelityProbes:
         t0 = time.perf_counter()
         self.prep.validate(prompt, len(continuation) + 1)
         with self._lock:
-            planned, result = self.step.run(prompt, pol, tenant, len(continuation) + 1, {})
+            planned, result = self.step.run(prompt, pol, tenant, len(continuation) + 1, {}, self._allocate)
             assert result.logits is not None
             rows = [result.logits]
             rows += [decode_step(self.runner, result.kv, token) for token in continuation]
+            self._give_back(result)
         stats = request_stats(planned, result, time.perf_counter() - t0, pol, {}, self.runner.num_layers,
                               self.convention)
         return torch.stack(rows), stats
@@ -72,5 +77,13 @@ class FidelityProbes:
         ids = tuple(self.builder.build(prompt).token_ids)
         with self._lock:
             start = time.perf_counter()
-            fused_prefill(self.runner, FusionPlan([PlanSpan("question", 0, ids, "fresh")], "full"), parse_policy("full"))
-            return time.perf_counter() - start
+            result = fused_prefill(self.runner, FusionPlan([PlanSpan("question", 0, ids, "fresh")], "full"),
+                                   parse_policy("full"), allocate=self._allocate)
+            elapsed = time.perf_counter() - start
+            self._give_back(result)
+            return elapsed
+
+    def _give_back(self, result: PrefillResult) -> None:
+        """The probe's KV buffer to the pool: what it returns (logits) holds no view of it."""
+        if self.kv_pool is not None:
+            self.kv_pool.give(result.kv)

@@ -48,6 +48,8 @@ class Sequence:
     decode_started: float = 0.0
     cancelled: threading.Event = field(default_factory=threading.Event)
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    # takes the KV buffer back when the sequence lets go of it (the engine's KVPool, on a CPU)
+    on_release: Callable[[KVBuffer], None] | None = None
 
     @property
     def reserved_tokens(self) -> int:
@@ -112,8 +114,11 @@ class Sequence:
         self.outbox.put(_DONE)
 
     def release(self) -> None:
-        """Drop the KV buffer (it is large) as soon as the sequence is out of the running set."""
-        self.kv = None
+        """Let go of the KV buffer (it is large) as soon as the sequence is out of the running set:
+        to `on_release` where given, which may hand it to the next request."""
+        kv, self.kv = self.kv, None
+        if kv is not None and self.on_release is not None:
+            self.on_release(kv)
 
     # --- caller side ---------------------------------------------------------------------------
     def events(self) -> Iterator[str | GenerationResult]:

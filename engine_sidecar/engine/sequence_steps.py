@@ -11,6 +11,7 @@ from engine_sidecar.engine.sequence import Sequence
 from engine_sidecar.engine.stats import request_stats
 from engine_sidecar.engine.step import PrefillStep
 from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError
+from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.reuse.conversation import ConversationStore
 from engine_sidecar.reuse.precompute import Precomputer
@@ -20,10 +21,12 @@ from engine_sidecar.store.entry import finite_kv
 
 class SequenceSteps:
     def __init__(self, step: PrefillStep, runner: ModelRunner, decode: Callable[[list[int]], str], eos_ids: set[int],
-                 max_context: int, convention: str, conversations: ConversationStore, precompute: Precomputer):
+                 max_context: int, convention: str, conversations: ConversationStore, precompute: Precomputer,
+                 kv_pool: KVPool | None = None):
         self.step, self.runner, self.decode, self.eos_ids = step, runner, decode, eos_ids
         self.max_context, self.convention = max_context, convention
         self.conversations, self.precompute = conversations, precompute
+        self.kv_pool = kv_pool  # where sequences' KV buffers come from and go back to (a CPU's)
 
     def begin(self, seq: Sequence) -> bool:
         """Scheduler step (engine lock held): plan, prefill, keep what the prefill computed, sample
@@ -37,7 +40,10 @@ class SequenceSteps:
                                             self.max_context)
             seq.times["plan_s"] = time.perf_counter() - started
         capacity = planned.plan.num_tokens + seq.sampling.max_tokens + 1
-        planned, result = self.step.prefill(planned, seq.policy, seq.prompt, seq.tenant, capacity, seq.times)
+        if self.kv_pool is not None:
+            seq.on_release = self.kv_pool.give
+        planned, result = self.step.prefill(planned, seq.policy, seq.prompt, seq.tenant, capacity, seq.times,
+                                            allocate=self.kv_pool.take if self.kv_pool is not None else None)
         seq.planned = planned
         assert result.logits is not None
         stats = request_stats(planned, result, time.perf_counter() - seq.t0, seq.policy, seq.times,

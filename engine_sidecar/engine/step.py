@@ -10,11 +10,13 @@ commits right after its prefill (`run`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine_sidecar.engine.prefill_stage import PrefillStage
 from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteLogitsError
-from engine_sidecar.execution.executor import PrefillResult
+from engine_sidecar.execution.executor import KVBuffer, PrefillResult
 from engine_sidecar.execution.policies import Policy
 from engine_sidecar.reuse.commit import ReuseWriter
 from engine_sidecar.reuse.plan_stage import PlanStage
@@ -35,11 +37,12 @@ class PrefillStep:
 
     def prefill(self, planned: PlannedRequest, policy: Policy, prompt: ChunkedPrompt | None, tenant: str,
                 capacity: int, times: dict[str, float], upto: int | None = None,
-                ) -> tuple[PlannedRequest, PrefillResult]:
+                allocate: Callable[[int], KVBuffer] | None = None) -> tuple[PlannedRequest, PrefillResult]:
         """Run the plan (only the spans that start before `upto`, without logits, when given). A
-        file found damaged mid-read is planned again with whole-file reads."""
+        file found damaged mid-read is planned again with whole-file reads. `allocate(rows)` makes
+        the KV buffer (default: a new one)."""
         replan = (lambda: self.planning.plan(prompt, policy, tenant, lazy=False)) if prompt is not None else None
-        return self.prefill_stage.run(planned, policy, capacity, times, replan, upto)
+        return self.prefill_stage.run(planned, policy, capacity, times, replan, upto, allocate)
 
     def commit(self, planned: PlannedRequest, result: PrefillResult, tenant: str, check_logits: bool = True) -> None:
         """Keep what the prefill computed. NaN or infinity anywhere in the KV reaches the last
@@ -51,10 +54,11 @@ class PrefillStep:
         self.writer.commit(planned, result, tenant)
 
     def run(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, extra_capacity: int,
-            times: dict[str, float]) -> tuple[PlannedRequest, PrefillResult]:
+            times: dict[str, float], allocate: Callable[[int], KVBuffer] | None = None,
+            ) -> tuple[PlannedRequest, PrefillResult]:
         """Plan, prefill with room for `extra_capacity` more tokens, check, commit."""
         planned = self.plan(prompt, policy, tenant)
         planned, result = self.prefill(planned, policy, prompt, tenant, planned.plan.num_tokens + extra_capacity,
-                                       times)
+                                       times, allocate=allocate)
         self.commit(planned, result, tenant)
         return planned, result

@@ -32,6 +32,8 @@ class KVBuffer:
     keys: torch.Tensor  # [L, cap, Hkv, D] rotated to global positions
     values: torch.Tensor  # [L, cap, Hkv, D]
     length: int = 0
+    # the flat tensors these are views of, where a KVPool handed the buffer out (it takes them back)
+    storage: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
     @classmethod
     def allocate(cls, runner: ModelRunner, capacity: int) -> KVBuffer:
@@ -49,6 +51,7 @@ class KVBuffer:
             return
         grow = max(needed, 2 * self.capacity) - self.capacity
         pad = (0, 0, 0, 0, 0, grow)
+        self.storage = None  # new tensors: the pooled storage is no longer what they view
         self.keys_pre = torch.nn.functional.pad(self.keys_pre, pad)
         self.keys = torch.nn.functional.pad(self.keys, pad)
         self.values = torch.nn.functional.pad(self.values, pad)
@@ -119,13 +122,15 @@ def fused_prefill(
     need_logits: bool = True,
     observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
     prefetch_depth: int = 1,
+    allocate: Callable[[int], KVBuffer] | None = None,
 ) -> PrefillResult:
     """Run the plan. `observer(layer, rotated queries [A,H,D], active positions [A], rotated keys
     [n,Hkv,D])` sees each layer's attention inputs (Cache-Craft records chunk statistics). Spans
     whose cached KV is still on disk (`ChunkKV.reader`) are read a layer at a time on a thread
-    while earlier layers compute, `prefetch_depth` layers before layer 0 starts."""
+    while earlier layers compute, `prefetch_depth` layers before layer 0 starts. `allocate(rows)`
+    makes the KV buffer (a KVPool's `take`; default: a new one)."""
     clock = StageClock(runner.device)
-    run = _FusedRun.start(runner, plan, policy, capacity, observer)
+    run = _FusedRun.start(runner, plan, policy, capacity, observer, allocate)
     clock.mark("prefill_setup_s")
     reused = run.rotate_cached()
     clock.mark("prefill_rotate_s")
@@ -179,10 +184,12 @@ class _FusedRun:
 
     @classmethod
     def start(cls, runner: ModelRunner, plan: FusionPlan, policy: Policy, capacity: int | None,
-              observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None) -> _FusedRun:
+              observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None,
+              allocate: Callable[[int], KVBuffer] | None = None) -> _FusedRun:
         n = plan.num_tokens
         device = runner.device
-        kv = KVBuffer.allocate(runner, max(capacity or n, n))
+        rows = max(capacity or n, n)
+        kv = allocate(rows) if allocate is not None else KVBuffer.allocate(runner, rows)
         positions = torch.arange(n, device=device)
         cos, sin = runner.rope_tables(positions)
         has_cache, loaded, load_s = _load_cached(kv, plan)
