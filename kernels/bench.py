@@ -28,6 +28,11 @@ from ragcache_kernels import cpu_native, dispatch
 from ragcache_kernels.attention import segment_ids_from_boundaries
 from ragcache_kernels.rope import inv_frequencies
 
+# a decode step's weight matrices (N, K) per model: q/k/v, gate/up, down, the logits
+LINEAR_SHAPES: dict[str, tuple[tuple[int, int], ...]] = {
+    "smollm2": ((960, 576), (3072, 576), (576, 1536), (49152, 576)),
+    "llama8b": ((6144, 4096), (28672, 4096), (4096, 14336)),
+}
 # (query heads, kv heads, head_dim, rope theta)
 MODELS: dict[str, tuple[int, int, int, float]] = {
     "smollm2": (9, 3, 64, 1e5),  # the default model of this project
@@ -102,6 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     rows += _peer_rows(x, reference_attention, device, args)
     if device.type == "cpu" and dtype in cpu_native.KERNELS and cpu_native.available(dtype):
         rows += _native_rows(x.q, x.k, x.v, x.query_pos, x.key_pos, x.full_q, reference_attention, rows, args)
+        rows += _native_linear_rows(dtype, args)
     return _report(args, device, kernels_timed, rows)
 
 
@@ -296,6 +302,42 @@ def _native_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: t
     ms = _timed(lambda: cpu_native.decode_attention(queries, keys, values), cpu, args.warmup, args.repeats)
     out.append(Row("decode_attention", "native_cpu", f"8 seqs x k={num_keys}", 8, ms, 8 / (ms / 1e3), torch_ms / ms))
     return out
+
+
+def _native_linear_rows(dtype: torch.dtype, args: argparse.Namespace) -> list[Row]:
+    """A decode step's linear layers (`residual + x W^T`) for 1, 4 and 8 rows: torch's GEMM against
+    the native small-M kernel, where it takes that many rows. Several copies of each weight are
+    used in turn, so the weights come from memory as in a real step, not from the cache."""
+    out: list[Row] = []
+    gen = torch.Generator().manual_seed(0)
+    for n, k in LINEAR_SHAPES[args.model]:
+        copies = max(1, min(8, (64 << 20) // (n * k * 2)))
+        weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
+        for rows in (1, 4, 8):
+            if rows <= cpu_native.LINEAR_MAX_ROWS[dtype]:
+                out += _linear_pair(weights, rows, args)
+    return out
+
+
+def _linear_pair(weights: list[torch.Tensor], rows: int, args: argparse.Namespace) -> list[Row]:
+    """torch's `addmm` and the native kernel over every copy of one weight, per copy."""
+    cpu = torch.device("cpu")
+    n, k = weights[0].shape
+    x, residual = torch.randn(rows, k).to(weights[0].dtype), torch.randn(rows, n).to(weights[0].dtype)
+
+    def with_torch() -> None:
+        for w in weights:
+            torch.addmm(residual, x, w.t())
+
+    def with_kernel() -> None:
+        for w in weights:
+            cpu_native.linear(x, w, residual)
+
+    torch_ms = _timed(with_torch, cpu, args.warmup, args.repeats) / len(weights)
+    native_ms = _timed(with_kernel, cpu, args.warmup, args.repeats) / len(weights)
+    shape = f"m={rows} n={n} k={k}"
+    return [Row("decode_linear", "torch", shape, rows, torch_ms, rows / (torch_ms / 1e3), 1.0),
+            Row("decode_linear", "native_cpu", shape, rows, native_ms, rows / (native_ms / 1e3), torch_ms / native_ms)]
 
 
 def print_table(report: dict[str, object]) -> None:

@@ -23,6 +23,7 @@ import os
 from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.nn.functional as F
 
 from ragcache_kernels import attention as _attention
 from ragcache_kernels import cpu_native as _cpu_native
@@ -85,6 +86,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
     if out is None:
         return rotated
     return out.copy_(rotated)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """`residual + x @ weight^T + bias` (either may be None) for x [M, K], weight [N, K]. On a CPU
+    in "auto", ragcache's native kernel for a decode step's few rows (the weights read once for
+    every row, 1.2-5x faster than the BLAS GEMM torch calls at 1-3 rows); torch's otherwise."""
+    if _requested(backend) == "auto" and x.device.type == "cpu" and (bias is None or residual is None):
+        done = _cpu_native.linear(x, weight, residual if residual is not None else bias)
+        if done is not None:
+            return done
+    if residual is None:
+        return F.linear(x, weight, bias)
+    out = torch.addmm(residual, x, weight.t())
+    return out if bias is None else out.add_(bias)
 
 
 def rotate_keys(

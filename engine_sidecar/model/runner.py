@@ -17,7 +17,7 @@ from engine_sidecar.errors import UnsupportedDtypeError
 from engine_sidecar.model.config import ModelConfig, load_config
 from engine_sidecar.model.weights import LayerWeights, ModelWeights, load_weights
 from ragcache_kernels import cpu_native
-from ragcache_kernels.dispatch import apply_rope, selective_attention
+from ragcache_kernels.dispatch import apply_rope, linear, selective_attention
 from ragcache_kernels.rope import cos_sin, inv_frequencies
 
 log = logging.getLogger("ragcache.model")
@@ -134,7 +134,7 @@ class ModelRunner:
         w = self.weights.layers[layer]
         x = self.rms_norm(hidden, w.input_norm)
         c = self.config
-        return QKV(F.linear(x, w.qkv_proj, w.qkv_bias), c.num_heads, c.num_kv_heads, c.head_dim)
+        return QKV(linear(x, w.qkv_proj, w.qkv_bias), c.num_heads, c.num_kv_heads, c.head_dim)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cos_sin(positions.to(self.device), self.inv_freq)
@@ -157,17 +157,17 @@ class ModelRunner:
 
     def attn_out(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         # residual add fused into the GEMM (beta=1); a new tensor, `hidden` is left as it was
-        return torch.addmm(hidden, attn, self.weights.layers[layer].o_proj.t())
+        return linear(attn, self.weights.layers[layer].o_proj, residual=hidden)
 
     def mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         w: LayerWeights = self.weights.layers[layer]
         x = self.rms_norm(hidden, w.post_norm)
-        gate, up = F.linear(x, w.gate_up_proj).chunk(2, dim=-1)
+        gate, up = linear(x, w.gate_up_proj).chunk(2, dim=-1)
         act = F.silu(gate, inplace=True).mul_(up)  # in place on the fresh gate/up buffer
-        return torch.addmm(hidden, act, w.down_proj.t())
+        return linear(act, w.down_proj, residual=hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.rms_norm(hidden, self.weights.final_norm), self.weights.lm_head).float()
+        return linear(self.rms_norm(hidden, self.weights.final_norm), self.weights.lm_head).float()
 
     # --- convenience -------------------------------------------------------------------------
     @torch.inference_mode()
