@@ -11,7 +11,7 @@ the setting. The capture itself needs a GPU: `ragcache bench gpu` guards it ther
 from __future__ import annotations
 
 import logging
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -131,17 +131,8 @@ def test_the_scheduler_decodes_through_the_graphs(tiny64, tmp_path, monkeypatch)
         plain = [engine.generate(p, sampling, policy="full").token_ids for p in prompts]
         graphs = DecodeGraphs(engine.runner, max_batch=4, max_context=engine.max_context, capture=False, splits=2)
         engine.scheduler.graphs = graphs
-        results: dict[int, list[int]] = {}
-
-        def ask(i: int) -> None:
-            results[i] = engine.generate(prompts[i], sampling, policy="full").token_ids
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        replayed = [results[i] for i in range(len(prompts))]
+        with ThreadPoolExecutor(len(prompts)) as clients:  # concurrent: decoded in one batch
+            replayed = list(clients.map(lambda p: engine.generate(p, sampling, policy="full").token_ids, prompts))
     assert replayed == plain and all(len(t) == 6 for t in plain)
     assert graphs.replays >= 5
 

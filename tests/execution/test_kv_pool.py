@@ -3,7 +3,7 @@ served from recycled buffers answer exactly as from fresh ones, one at a time an
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -81,19 +81,13 @@ def test_a_buffer_grown_by_decode_is_not_taken_back(runner):
 
 
 def _answers(engine, prompts, concurrent=False):
+    def ask(prompt):
+        return engine.generate(prompt, GREEDY, policy="cacheblend").token_ids
+
     if not concurrent:
-        return [engine.generate(p, GREEDY, policy="cacheblend").token_ids for p in prompts]
-    out: dict[int, list[int]] = {}
-
-    def ask(i):
-        out[i] = engine.generate(prompts[i], GREEDY, policy="cacheblend").token_ids
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [out[i] for i in range(len(prompts))]
+        return [ask(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as clients:
+        return list(clients.map(ask, prompts))
 
 
 def test_recycled_buffers_answer_as_fresh_ones(tiny_llama_dir, tmp_path):
