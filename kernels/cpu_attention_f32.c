@@ -236,16 +236,17 @@ int rc_prefill_f32(const float* q, int64_t q_rs, const float* k, int64_t k_rs, c
 
 // One (sequence, KV head) pair of a decode step: the g query heads of KV head hk over all n keys
 // (every key is visible to the newest token). Scores first (eight keys per hsum8x8), then the
-// softmax, then the weighted sum of V rows.
+// softmax, then the weighted sum of V rows. Every head of the group is served from the same pass
+// over the keys and the values: a key block is read from memory once and stays in L1 for the
+// other heads, and each value row is read once for up to three heads' accumulators.
 static inline __attribute__((always_inline)) void decode_item(
         const float* q, const float* k, const float* v, int64_t n, int64_t h, int64_t hkv, const int64_t d,
         int64_t row_stride, float scale, int64_t hk, float* out, float* s) {
     const int64_t g = h / hkv, nc = d / 8;
-    for (int64_t r = 0; r < g; r++) {
-        const float* qr = q + (hk * g + r) * d;
-        float* sr = s + r * n;
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        for (int64_t r = 0; r < g; r++) {
+            const float* qr = q + (hk * g + r) * d;
             __m256 a[8];
             for (int jj = 0; jj < 8; jj++) {
                 const float* kr = k + (j + jj) * row_stride + hk * d;
@@ -253,15 +254,22 @@ static inline __attribute__((always_inline)) void decode_item(
                 for (int64_t c = 1; c < nc; c++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + c * 8), _mm256_loadu_ps(kr + c * 8), acc);
                 a[jj] = acc;
             }
-            _mm256_storeu_ps(sr + j, _mm256_mul_ps(hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
-                                                   _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(s + r * n + j, _mm256_mul_ps(hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
+                                                          _mm256_set1_ps(scale)));
         }
-        for (; j < n; j++) {
-            const float* kr = k + j * row_stride + hk * d;
+    }
+    for (; j < n; j++) {
+        const float* kr = k + j * row_stride + hk * d;
+        for (int64_t r = 0; r < g; r++) {
+            const float* qr = q + (hk * g + r) * d;
             __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kr));
             for (int64_t c = 1; c < nc; c++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + c * 8), _mm256_loadu_ps(kr + c * 8), acc);
-            sr[j] = hsum8(acc) * scale;
+            s[r * n + j] = hsum8(acc) * scale;
         }
+    }
+    float inv[16];
+    for (int64_t r = 0; r < g; r++) {
+        float* sr = s + r * n;
         float mx = -INFINITY;
         for (int64_t x = 0; x < n; x++) mx = sr[x] > mx ? sr[x] : mx;
         const __m256 vm = _mm256_set1_ps(mx);
@@ -277,18 +285,30 @@ static inline __attribute__((always_inline)) void decode_item(
             sr[x] = expf(sr[x] - mx);
             tail += sr[x];
         }
-        const float inv = 1.0f / (hsum8(sum) + tail);
-        float* dst = out + (hk * g + r) * d;
-        for (int64_t c0 = 0; c0 < nc; c0 += 8) {
-            const int64_t cn = nc - c0 < 8 ? nc - c0 : 8;
-            __m256 acc[8];
-            for (int64_t c = 0; c < cn; c++) acc[c] = _mm256_setzero_ps();
+        inv[r] = 1.0f / (hsum8(sum) + tail);
+    }
+    // up to 3 heads x 4 vectors of dims in registers, the value row's 4 vectors beside them
+    for (int64_t r0 = 0; r0 < g; r0 += 3) {
+        const int64_t rn = g - r0 < 3 ? g - r0 : 3;
+        for (int64_t c0 = 0; c0 < nc; c0 += 4) {
+            const int64_t cn = nc - c0 < 4 ? nc - c0 : 4;
+            __m256 acc[3][4];
+            for (int64_t r = 0; r < rn; r++)
+                for (int64_t c = 0; c < cn; c++) acc[r][c] = _mm256_setzero_ps();
             for (int64_t jj = 0; jj < n; jj++) {
-                const __m256 pj = _mm256_broadcast_ss(sr + jj);
                 const float* vr = v + jj * row_stride + hk * d + c0 * 8;
-                for (int64_t c = 0; c < cn; c++) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + c * 8), acc[c]);
+                __m256 vv[4];
+                for (int64_t c = 0; c < cn; c++) vv[c] = _mm256_loadu_ps(vr + c * 8);
+                for (int64_t r = 0; r < rn; r++) {
+                    const __m256 pj = _mm256_broadcast_ss(s + (r0 + r) * n + jj);
+                    for (int64_t c = 0; c < cn; c++) acc[r][c] = _mm256_fmadd_ps(pj, vv[c], acc[r][c]);
+                }
             }
-            for (int64_t c = 0; c < cn; c++) _mm256_storeu_ps(dst + (c0 + c) * 8, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+            for (int64_t r = 0; r < rn; r++) {
+                float* dst = out + (hk * g + r0 + r) * d;
+                for (int64_t c = 0; c < cn; c++)
+                    _mm256_storeu_ps(dst + (c0 + c) * 8, _mm256_mul_ps(acc[r][c], _mm256_set1_ps(inv[r0 + r])));
+            }
         }
     }
 }
@@ -309,7 +329,7 @@ static void decode_dispatch(const float* q, const float* k, const float* v, int6
 // rows of row_stride elements; out [B, H * D]. Work items are (sequence, KV head) pairs.
 int rc_decode_f32(const float* q, const int64_t* kptr, const int64_t* vptr, const int64_t* lens, int64_t nseq,
                   int64_t h, int64_t hkv, int64_t d, int64_t row_stride, float scale, float* out, int nthreads) {
-    if (d % 32 != 0 || d > 128 || hkv <= 0 || h % hkv != 0 || nseq <= 0) return -1;
+    if (d % 32 != 0 || d > 128 || hkv <= 0 || h % hkv != 0 || h / hkv > 16 || nseq <= 0) return -1;
     int64_t longest = 0;
     for (int64_t b = 0; b < nseq; b++) {
         if (lens[b] <= 0) return -1;

@@ -143,6 +143,23 @@ def test_decode_matches_the_reference_and_the_torch_path(lengths):
         assert (out[i] - _decode_attention(q[i], keys[i], values[i], None)).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 8, 32), (8, 2, 128), (10, 2, 96), (16, 2, 64),
+                                                        (16, 1, 64)])
+def test_decode_serves_every_head_group_and_head_size(heads, kv_heads, dim):
+    """Groups of 1, 4, 5, 8 and 16 query heads per KV head (heads are served three at a time from
+    one pass over the values) and head sizes 32-128 (four vectors of dims at a time)."""
+    lengths = (3, 8, 41)
+    gen = torch.Generator().manual_seed(heads * dim)
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    keys = [torch.randn(n, kv_heads, dim, generator=gen) for n in lengths]
+    values = [torch.randn(n, kv_heads, dim, generator=gen) for n in lengths]
+    out = cpu_native.decode_attention(q, keys, values)
+    assert out is not None
+    for i, n in enumerate(lengths):
+        exact = _reference(q[i : i + 1], keys[i], values[i], torch.tensor([n]), torch.arange(n))[0].reshape(-1)
+        assert (out[i] - exact).abs().max().item() <= TOL
+
+
 @pytest.fixture(scope="module")
 def runner32(tmp_path_factory):
     """A tiny Llama with head_dim 32 (the kernel's smallest) in fp32."""
