@@ -262,7 +262,53 @@ int rc_prefill_bf16(const bf16* q, int64_t q_rs, const bf16* k, int64_t k_rs, co
     return 0;
 }
 
-// One (sequence, KV head) pair of a decode step; inlined per head size like prefill_item.
+// Four vectors to one whose 128-bit block L holds, in order, the sums of block L of each.
+static inline __m512 sum4_blocks(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// Sixteen vectors to the vector of their sixteen horizontal sums (lane i: the sum of a[i]).
+static inline __m512 hsum16x16(const __m512* a) {
+    __m512 r0 = sum4_blocks(a[0], a[1], a[2], a[3]), r1 = sum4_blocks(a[4], a[5], a[6], a[7]);
+    __m512 r2 = sum4_blocks(a[8], a[9], a[10], a[11]), r3 = sum4_blocks(a[12], a[13], a[14], a[15]);
+    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(r2, r3, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_f32x4(r2, r3, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// One (sequence, KV head) pair of a decode step; inlined per head size like prefill_item. Every
+// query head of the KV head is served from one pass over the keys (a block of 16 keys stays in
+// L1 for the other heads; its 16 scores are summed together) and one over the values (each value
+// row feeds up to four heads' accumulators).
+static inline __attribute__((always_inline)) void decode_pv(const bf16* vb, int64_t n, int64_t kv_rs,
+                                                            const float* sc, int64_t np, bf16* dst, int64_t d,
+                                                            int64_t c0, const int XN) {
+    __m512 acc[4][2];
+    for (int x = 0; x < XN; x++) acc[x][0] = acc[x][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const bf16* vr = vb + j * kv_rs + c0 * 16;
+        const __m512 v0 = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)vr));
+        const __m512 v1 = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(vr + 16)));
+        for (int x = 0; x < XN; x++) {
+            const __m512 p = _mm512_set1_ps(sc[x * np + j]);
+            acc[x][0] = _mm512_fmadd_ps(p, v0, acc[x][0]);
+            acc[x][1] = _mm512_fmadd_ps(p, v1, acc[x][1]);
+        }
+    }
+    for (int x = 0; x < XN; x++) {
+        float tmp[32];
+        _mm512_storeu_ps(tmp, acc[x][0]);
+        _mm512_storeu_ps(tmp + 16, acc[x][1]);
+        for (int y = 0; y < 32; y++) dst[x * d + c0 * 16 + y] = to_bf16(tmp[y]);
+    }
+}
+
 static inline __attribute__((always_inline)) void decode_item(
         const bf16* q, const int64_t* kptr, const int64_t* vptr, const int64_t* lens, int64_t h, int64_t hkv,
         const int64_t d, int64_t kv_rs, float scale, bf16* out, float* sc, int64_t i) {
@@ -271,50 +317,57 @@ static inline __attribute__((always_inline)) void decode_item(
     const bf16* kb = (const bf16*)(intptr_t)kptr[b] + hk * d;
     const bf16* vb = (const bf16*)(intptr_t)vptr[b] + hk * d;
     const bf16* qb = q + (b * h + hk * g) * d;
-    for (int64_t j = 0; j < n; j++) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        for (int64_t x = 0; x < g; x++) {
+            __m512 acc[16];
+#pragma GCC unroll 16
+            for (int jj = 0; jj < 16; jj++) {
+                const bf16* kr = kb + (j + jj) * kv_rs;
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t c = 0; c < d; c += 32)
+                    a = _mm512_dpbf16_ps(a, as_bh(_mm512_loadu_si512(kr + c)), as_bh(_mm512_loadu_si512(qb + x * d + c)));
+                acc[jj] = a;
+            }
+            _mm512_storeu_ps(sc + x * np + j, _mm512_mul_ps(hsum16x16(acc), vscale));
+        }
+    }
+    for (; j < n; j++) {
         const bf16* kr = kb + j * kv_rs;
         for (int64_t x = 0; x < g; x++) {
             __m512 acc = _mm512_setzero_ps();
             for (int64_t c = 0; c < d; c += 32)
-                acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kr + c)),
-                                       as_bh(_mm512_loadu_si512(qb + x * d + c)));
+                acc = _mm512_dpbf16_ps(acc, as_bh(_mm512_loadu_si512(kr + c)), as_bh(_mm512_loadu_si512(qb + x * d + c)));
             sc[x * np + j] = _mm512_reduce_add_ps(acc) * scale;
         }
     }
     for (int64_t x = 0; x < g; x++) {
         float* sr = sc + x * np;
-        for (int64_t j = n; j < np; j++) sr[j] = -INFINITY;
+        for (int64_t t = n; t < np; t++) sr[t] = -INFINITY;
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < np; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+        for (int64_t t = 0; t < np; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + t));
         __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < np; j += 16) {
-            __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm));
-            e = _mm512_maskz_mov_ps(j + 16 <= n ? 0xffff : (__mmask16)((1u << (n - j)) - 1u), e);
-            _mm512_storeu_ps(sr + j, e);
+        for (int64_t t = 0; t < np; t += 16) {
+            __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sr + t), vm));
+            e = _mm512_maskz_mov_ps(t + 16 <= n ? 0xffff : (__mmask16)((1u << (n - t)) - 1u), e);
+            _mm512_storeu_ps(sr + t, e);
             sum = _mm512_add_ps(sum, e);
         }
         const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-        for (int64_t j = 0; j < n; j++) sr[j] *= inv;
+        for (int64_t t = 0; t < n; t++) sr[t] *= inv;
     }
-    __m512 acc[16][8];
-    for (int64_t x = 0; x < g; x++)
-        for (int64_t c = 0; c < nc; c++) acc[x][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j++) {
-        const bf16* vr = vb + j * kv_rs;
-        __m512 vv[8];
-        for (int64_t c = 0; c < nc; c++)
-            vv[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(vr + c * 16)));
-        for (int64_t x = 0; x < g; x++) {
-            __m512 p = _mm512_set1_ps(sc[x * np + j]);
-            for (int64_t c = 0; c < nc; c++) acc[x][c] = _mm512_fmadd_ps(p, vv[c], acc[x][c]);
-        }
-    }
-    for (int64_t x = 0; x < g; x++) {
-        bf16* dst = out + (b * h + hk * g + x) * d;
-        float tmp[16];
-        for (int64_t c = 0; c < nc; c++) {
-            _mm512_storeu_ps(tmp, acc[x][c]);
-            for (int y = 0; y < 16; y++) dst[c * 16 + y] = to_bf16(tmp[y]);
+    bf16* dst = out + (b * h + hk * g) * d;
+    for (int64_t x0 = 0; x0 < g; x0 += 4) {
+        const int64_t xn = g - x0 < 4 ? g - x0 : 4;
+        const float* sx = sc + x0 * np;
+        for (int64_t c0 = 0; c0 < nc; c0 += 2) {
+            switch (xn) {
+                case 1: decode_pv(vb, n, kv_rs, sx, np, dst + x0 * d, d, c0, 1); break;
+                case 2: decode_pv(vb, n, kv_rs, sx, np, dst + x0 * d, d, c0, 2); break;
+                case 3: decode_pv(vb, n, kv_rs, sx, np, dst + x0 * d, d, c0, 3); break;
+                default: decode_pv(vb, n, kv_rs, sx, np, dst + x0 * d, d, c0, 4); break;
+            }
         }
     }
 }
@@ -400,26 +453,6 @@ int rc_rope_bf16(const bf16* x, int64_t x_ls, int64_t x_rs, bf16* out, int64_t o
 // to bf16 once: the weights are read once and every row's dot products are formed from the same
 // loads. Small-M GEMMs of the BLAS torch calls reached 7-23 GB/s here, where reading the weights
 // once allows more.
-
-// Four vectors to one whose 128-bit block L holds, in order, the sums of block L of each.
-static inline __m512 sum4_blocks(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-}
-
-// Sixteen vectors to the vector of their sixteen horizontal sums (lane i: the sum of a[i]).
-static inline __m512 hsum16x16(const __m512* a) {
-    __m512 r0 = sum4_blocks(a[0], a[1], a[2], a[3]), r1 = sum4_blocks(a[4], a[5], a[6], a[7]);
-    __m512 r2 = sum4_blocks(a[8], a[9], a[10], a[11]), r3 = sum4_blocks(a[12], a[13], a[14], a[15]);
-    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(1, 0, 1, 0)),
-                               _mm512_shuffle_f32x4(r0, r1, _MM_SHUFFLE(3, 2, 3, 2)));
-    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(r2, r3, _MM_SHUFFLE(1, 0, 1, 0)),
-                               _mm512_shuffle_f32x4(r2, r3, _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
 
 // R weight rows x MP activation rows (R * MP == 16): their sixteen dot products over K (lane
 // r * MP + m), 32 bf16 pairs per instruction.

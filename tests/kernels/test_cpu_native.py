@@ -123,6 +123,25 @@ def test_decode_matches_the_fp32_reference_as_closely_as_the_torch_path(lengths)
         assert (out[i].float() - exact).abs().max().item() <= torch_error + 1e-3
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 8, 32), (8, 2, 128), (10, 2, 96), (14, 2, 64),
+                                                        (16, 1, 64)])
+def test_decode_serves_every_head_group_and_head_size(heads, kv_heads, dim):
+    """Groups of 1, 4, 5, 7 and 16 query heads per KV head (values feed four heads at a time) and
+    head sizes 32-128, over lengths below, at and past a 16-key block."""
+    lengths = (3, 16, 41)
+    gen = torch.Generator().manual_seed(heads * dim)
+    q = torch.randn(len(lengths), heads, dim, generator=gen).bfloat16()
+    keys = [torch.randn(n, kv_heads, dim, generator=gen).bfloat16() for n in lengths]
+    values = [torch.randn(n, kv_heads, dim, generator=gen).bfloat16() for n in lengths]
+    out = cpu_native.decode_attention(q, keys, values)
+    assert out is not None
+    for i, n in enumerate(lengths):
+        exact = _reference(q[i : i + 1].float(), keys[i].float(), values[i].float(), torch.tensor([n]),
+                           torch.arange(n))[0].reshape(-1)
+        torch_error = (_decode_attention(q[i], keys[i], values[i], None).float() - exact).abs().max().item()
+        assert (out[i].float() - exact).abs().max().item() <= torch_error + 1e-3
+
+
 @pytest.fixture(scope="module")
 def bf16_runner(tmp_path_factory):
     """A tiny Llama with head_dim 32 (the kernel's smallest) in bf16."""
