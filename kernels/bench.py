@@ -314,7 +314,7 @@ def _native_linear_rows(dtype: torch.dtype, args: argparse.Namespace) -> list[Ro
         copies = max(1, min(8, (64 << 20) // (n * k * 2)))
         weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
         for rows in (1, 4, 8):
-            if rows <= cpu_native.LINEAR_MAX_ROWS[dtype]:
+            if rows <= cpu_native.LINEAR_MAX_ROWS:
                 out += _linear_pair(weights, rows, args)
     return out
 

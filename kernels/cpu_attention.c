@@ -475,40 +475,47 @@ static inline __attribute__((always_inline)) __m512 linear_block_bf16(const bf16
     return hsum16x16(acc);
 }
 
-// One block of R output columns from n0 for every activation row, stored (with `res` added).
+// One block of R output columns from n0 for activation rows xr[0..MP), stored (with `res` added)
+// for the first `mrows` of them: the sums, residual added and rounding done as vectors.
 static inline __attribute__((always_inline)) void linear_store_bf16(
         const bf16* const* xr, const bf16* w, int64_t w_rs, const bf16* res, int64_t res_rs, bf16* y, int64_t y_rs,
         int64_t mrows, int64_t n0, int64_t kdim, const int R, const int MP) {
-    float sums[16];
-    _mm512_storeu_ps(sums, linear_block_bf16(xr, w + n0 * w_rs, w_rs, kdim, R, MP));
+    __m512 sums = linear_block_bf16(xr, w + n0 * w_rs, w_rs, kdim, R, MP);
+    if (res) {
+        uint32_t added[16];
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < MP; m++)
+                added[r * MP + m] = m < mrows ? (uint32_t)res[m * res_rs + n0 + r] << 16 : 0u;
+        sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_loadu_si512(added)));
+    }
+    bf16 rounded[16];
+    _mm256_storeu_si256((__m256i*)rounded, (__m256i)_mm512_cvtneps_pbh(sums));
     for (int r = 0; r < R; r++)
-        for (int64_t m = 0; m < mrows; m++) {
-            float base = 0.0f;
-            if (res) {
-                uint32_t u = (uint32_t)res[m * res_rs + n0 + r] << 16;
-                memcpy(&base, &u, sizeof base);
-            }
-            y[m * y_rs + n0 + r] = to_bf16(base + sums[r * MP + m]);
-        }
+        for (int64_t m = 0; m < mrows && m < MP; m++) y[m * y_rs + n0 + r] = rounded[r * MP + m];
 }
 
 // Returns 0, or -1 for a shape it does not take (more than 8 rows, K not a multiple of 32, N not
 // a multiple of 16): the caller then uses torch. res may be NULL; res_rs 0 broadcasts one row (a
-// bias). The block shape is chosen inside the parallel loop so each case is compiled with its
-// constants (an outlined OpenMP body would otherwise see them as variables).
+// bias). Five to eight rows run as two passes of four over each block of weight rows, the block
+// still in L1 for the second. The block shape is chosen inside the parallel loop so each case is
+// compiled with its constants (an outlined OpenMP body would otherwise see them as variables).
 int rc_linear_bf16(const bf16* x, int64_t x_rs, const bf16* w, int64_t w_rs, const bf16* res, int64_t res_rs,
                    bf16* y, int64_t y_rs, int64_t mrows, int64_t n, int64_t kdim, int nthreads) {
     if (mrows < 1 || mrows > 8 || kdim <= 0 || kdim % 32 != 0 || n <= 0 || n % 16 != 0) return -1;
-    const int mp = mrows == 1 ? 1 : mrows == 2 ? 2 : mrows <= 4 ? 4 : 8, rb = 16 / mp;
+    const int mp = mrows == 1 ? 1 : mrows == 2 ? 2 : 4, rb = 16 / mp;
     const bf16* xr[8];
-    for (int m = 0; m < mp; m++) xr[m] = x + (m < mrows ? m : mrows - 1) * x_rs;  // padded rows repeat the last
+    for (int m = 0; m < 8; m++) xr[m] = x + (m < mrows ? m : mrows - 1) * x_rs;  // padded rows repeat the last
+    const bf16* res_hi = res && res_rs ? res + 4 * res_rs : res;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n0 = 0; n0 < n; n0 += rb) {
         switch (mp) {
             case 1: linear_store_bf16(xr, w, w_rs, res, res_rs, y, y_rs, mrows, n0, kdim, 16, 1); break;
             case 2: linear_store_bf16(xr, w, w_rs, res, res_rs, y, y_rs, mrows, n0, kdim, 8, 2); break;
-            case 4: linear_store_bf16(xr, w, w_rs, res, res_rs, y, y_rs, mrows, n0, kdim, 4, 4); break;
-            default: linear_store_bf16(xr, w, w_rs, res, res_rs, y, y_rs, mrows, n0, kdim, 2, 8); break;
+            default:
+                linear_store_bf16(xr, w, w_rs, res, res_rs, y, y_rs, mrows < 4 ? mrows : 4, n0, kdim, 4, 4);
+                if (mrows > 4)
+                    linear_store_bf16(xr + 4, w, w_rs, res_hi, res_rs, y + 4 * y_rs, y_rs, mrows - 4, n0, kdim, 4, 4);
+                break;
         }
     }
     return 0;

@@ -405,33 +405,46 @@ static inline __attribute__((always_inline)) __m256 linear_block_f32(const float
     return hsum8x8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]);
 }
 
-// One block of R output columns from n0 for every activation row, stored (with `res` added).
+// One block of R output columns from n0 for activation rows xr[0..MP), stored (with `res` added)
+// for the first `mrows` of them, the residual added as a vector.
 static inline __attribute__((always_inline)) void linear_store_f32(
         const float* const* xr, const float* w, int64_t w_rs, const float* res, int64_t res_rs, float* y,
         int64_t y_rs, int64_t mrows, int64_t n0, int64_t kdim, const int R, const int MP) {
-    float sums[8];
-    _mm256_storeu_ps(sums, linear_block_f32(xr, w + n0 * w_rs, w_rs, kdim, R, MP));
+    __m256 sums = linear_block_f32(xr, w + n0 * w_rs, w_rs, kdim, R, MP);
+    if (res) {
+        float added[8];
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < MP; m++) added[r * MP + m] = m < mrows ? res[m * res_rs + n0 + r] : 0.0f;
+        sums = _mm256_add_ps(sums, _mm256_loadu_ps(added));
+    }
+    float out[8];
+    _mm256_storeu_ps(out, sums);
     for (int r = 0; r < R; r++)
-        for (int64_t m = 0; m < mrows; m++)
-            y[m * y_rs + n0 + r] = (res ? res[m * res_rs + n0 + r] : 0.0f) + sums[r * MP + m];
+        for (int64_t m = 0; m < mrows && m < MP; m++) y[m * y_rs + n0 + r] = out[r * MP + m];
 }
 
 // Returns 0, or -1 for a shape it does not take (more than 8 rows; K or N not a multiple of 8):
-// the caller then uses torch. res may be NULL; res_rs 0 broadcasts one row (a bias). The block
-// shape is chosen inside the parallel loop so each case is compiled with its constants.
+// the caller then uses torch. res may be NULL; res_rs 0 broadcasts one row (a bias). Five to
+// eight rows run as two passes of four over each block of weight rows, the block still in L1 for
+// the second. The block shape is chosen inside the parallel loop so each case is compiled with
+// its constants.
 int rc_linear_f32(const float* x, int64_t x_rs, const float* w, int64_t w_rs, const float* res, int64_t res_rs,
                   float* y, int64_t y_rs, int64_t mrows, int64_t n, int64_t kdim, int nthreads) {
     if (mrows < 1 || mrows > 8 || kdim <= 0 || kdim % 8 != 0 || n <= 0 || n % 8 != 0) return -1;
-    const int mp = mrows == 1 ? 1 : mrows == 2 ? 2 : mrows <= 4 ? 4 : 8, rb = 8 / mp;
+    const int mp = mrows == 1 ? 1 : mrows == 2 ? 2 : 4, rb = 8 / mp;
     const float* xr[8];
-    for (int m = 0; m < mp; m++) xr[m] = x + (m < mrows ? m : mrows - 1) * x_rs;  // padded rows repeat the last
+    for (int m = 0; m < 8; m++) xr[m] = x + (m < mrows ? m : mrows - 1) * x_rs;  // padded rows repeat the last
+    const float* res_hi = res && res_rs ? res + 4 * res_rs : res;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n0 = 0; n0 < n; n0 += rb) {
         switch (mp) {
             case 1: linear_store_f32(xr, w, w_rs, res, res_rs, y, y_rs, mrows, n0, kdim, 8, 1); break;
             case 2: linear_store_f32(xr, w, w_rs, res, res_rs, y, y_rs, mrows, n0, kdim, 4, 2); break;
-            case 4: linear_store_f32(xr, w, w_rs, res, res_rs, y, y_rs, mrows, n0, kdim, 2, 4); break;
-            default: linear_store_f32(xr, w, w_rs, res, res_rs, y, y_rs, mrows, n0, kdim, 1, 8); break;
+            default:
+                linear_store_f32(xr, w, w_rs, res, res_rs, y, y_rs, mrows < 4 ? mrows : 4, n0, kdim, 2, 4);
+                if (mrows > 4)
+                    linear_store_f32(xr + 4, w, w_rs, res_hi, res_rs, y + 4 * y_rs, y_rs, mrows - 4, n0, kdim, 2, 4);
+                break;
         }
     }
     return 0;

@@ -258,18 +258,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
 
 
 # The most activation rows the native linear layer takes (a decode step's batch); past that the
-# BLAS GEMM torch calls was as fast or faster (SmolLM2's shapes on a 2-core Zen 4: bf16 at 8 rows
-# 0.8-1.4x of torch's time, fp32 at 8 rows 1.2-1.9x faster but for one shape).
-LINEAR_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}
+# BLAS GEMM torch calls reads the weights once too.
+LINEAR_MAX_ROWS = 8
 _LINEAR_MULTIPLE = {torch.bfloat16: (32, 16), torch.float32: (8, 8)}  # K, N multiples the kernels take
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [M, K] @ weight[N, K]^T, plus `add` ([M, N] residual rows, or a [N] bias) where given, for
-    M <= LINEAR_MAX_ROWS[x.dtype], summed in fp32 and rounded once to x's dtype. None where the kernel does
+    M <= LINEAR_MAX_ROWS, summed in fp32 and rounded once to x's dtype. None where the kernel does
     not apply (the caller uses torch's GEMM)."""
     dtype = x.dtype
-    if dtype not in KERNELS or x.dim() != 2 or weight.dim() != 2 or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS[dtype]:
+    if dtype not in KERNELS or x.dim() != 2 or weight.dim() != 2 or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS:
         return None
     rows, kdim = x.shape
     n = weight.shape[0]

@@ -58,7 +58,7 @@ def _step_s(runner: ModelRunner, kvs: list[KVBuffer], steps: int) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     runner = ModelRunner.load(args.model, device="cpu", dtype=args.dtype)
-    native_rows = dict(cpu_native.LINEAR_MAX_ROWS)
+    native_rows = cpu_native.LINEAR_MAX_ROWS
     rows: list[dict[str, Any]] = []
     try:
         for batch in args.batch:
@@ -66,17 +66,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             seconds: dict[str, list[float]] = {"native": [], "torch": []}
             for _ in range(args.rounds):
                 for variant in ("torch", "native"):
-                    limit = native_rows if variant == "native" else dict.fromkeys(native_rows, 0)
-                    cpu_native.LINEAR_MAX_ROWS.update(limit)
+                    cpu_native.LINEAR_MAX_ROWS = native_rows if variant == "native" else 0
                     seconds[variant].append(_step_s(runner, kvs, args.steps))
             native, plain = statistics.median(seconds["native"]), statistics.median(seconds["torch"])
             rows.append({"batch": batch, "torch_step_ms": round(plain * 1e3, 2),
                          "native_step_ms": round(native * 1e3, 2), "torch_tokens_per_s": round(batch / plain, 1),
                          "native_tokens_per_s": round(batch / native, 1), "speedup": round(plain / native, 2)})
     finally:
-        cpu_native.LINEAR_MAX_ROWS.update(native_rows)
+        cpu_native.LINEAR_MAX_ROWS = native_rows
     return {"machine": describe_machine(torch.device("cpu")), "dtype": args.dtype, "context": args.context,
-            "native_max_rows": native_rows.get(runner.dtype), "rows": rows}
+            "native_max_rows": native_rows, "rows": rows}
 
 
 def table(report: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ from ragcache_kernels import cpu_native
 def test_decode_step_bench_runs_both_variants(tiny_llama_dir, tmp_path, capsys):
     from engine_sidecar.bench.decode_step import main
 
-    before = dict(cpu_native.LINEAR_MAX_ROWS)
+    before = cpu_native.LINEAR_MAX_ROWS
     out = tmp_path / "decode-step.json"
     assert main(["--model", str(tiny_llama_dir), "--batch", "1,3", "--context", "40", "--steps", "2",
                  "--rounds", "1", "--json", str(out)]) == 0
