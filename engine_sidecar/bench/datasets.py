@@ -8,12 +8,16 @@
   passages are the fact statements of all its siblings, so the right passage sits among near
   duplicates, at a position that rotates over the first four from record to record. Consecutive records
 share their passages in other orders, which is the reuse a chunk cache sees in practice.
+
+`recut_records` re-cuts any set's passages into short sentence-aligned ones, so one set's questions
+can be asked with many short passages per question (HotpotQA's shape) as well as a few long ones.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +73,42 @@ def load_records(path: Path) -> list[dict[str, Any]]:
     if not isinstance(data, list) or not all(isinstance(r, dict) and "question" in r and "ctxs" in r for r in data):
         raise InvalidPromptError(f"{path}: expected records with 'question', 'answers' and 'ctxs'")
     return data
+
+
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def recut_text(text: str, words: int) -> list[str]:
+    """`text` as consecutive passages of whole sentences, each closed once it holds at least
+    `words` words; a last piece shorter than half of that joins the passage before it."""
+    pieces: list[list[str]] = []
+    count = 0
+    for sentence in (s for s in SENTENCE_END.split(text.strip()) if s):
+        if not pieces or count >= words:
+            pieces.append([])
+            count = 0
+        pieces[-1].append(sentence)
+        count += len(sentence.split())
+    if len(pieces) > 1 and count < words / 2:
+        pieces[-2].extend(pieces.pop())
+    return [" ".join(p) for p in pieces]
+
+
+def recut_records(records: list[dict[str, Any]], words: int) -> list[dict[str, Any]]:
+    """Each record with its passages, in order, re-cut into passages of about `words` words; each
+    piece keeps its passage's title, numbered when a passage gives several."""
+    if words < 1:
+        raise InvalidPromptError("--passage-words must be at least 1")
+    out = []
+    for record in records:
+        ctxs = []
+        for ctx in record["ctxs"]:
+            parts = recut_text(ctx["text"], words)
+            title = ctx.get("title", "")
+            ctxs += [{"title": f"{title} ({j + 1})" if title and len(parts) > 1 else title, "text": part}
+                     for j, part in enumerate(parts)]
+        out.append({**record, "ctxs": ctxs})
+    return out
 
 
 def chunk_texts(record: dict[str, Any], k: int) -> list[str]:

@@ -115,12 +115,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 def _plan_run(args: argparse.Namespace) -> _RunPlan:
     """The records and policies to measure, with every argument checked, and an empty
     partial-results file started."""
-    from engine_sidecar.bench.datasets import load_dataset
+    from engine_sidecar.bench.datasets import load_dataset, recut_records
 
     start = getattr(args, "start", 0)
     if args.n < 1 or args.k < 1 or start < 0:
         raise InvalidPromptError("--n and --k must be at least 1 and --start at least 0")
     records = load_dataset(args.data)[start : start + args.n]
+    if getattr(args, "passage_words", None) is not None:
+        records = recut_records(records, args.passage_words)
     if not records:
         raise InvalidPromptError(f"{args.data} has no records from index {start}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -287,7 +289,8 @@ def _run_config(args: argparse.Namespace, plan: _RunPlan, rows: list[dict[str, A
               "convention": args.convention, "chunk_kv": getattr(args, "chunk_kv", "precomputed"),
               "neighbours": args.neighbours if getattr(args, "chunk_kv", "") == "neighbours" else None,
               "noise_floor": noise_name, "generated": not plan.no_generate, "n_requested": args.n,
-              "start": plan.start, "max_minutes": getattr(args, "max_minutes", None)}
+              "start": plan.start, "max_minutes": getattr(args, "max_minutes", None),
+              "passage_words": getattr(args, "passage_words", None)}
     transformers_times = [r["transformers_prefill_s"] for r in rows if "transformers_prefill_s" in r]
     if transformers_times:
         config["transformers_prefill_median_s"] = statistics.median(transformers_times)
@@ -518,7 +521,8 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
     turn = "; turn 2 of a two-turn conversation (the next record's question)" if config.get("follow_up") else ""
     lines = [
         f"fidelity: {config['n']} questions{f' from record {s}' if (s := config.get('start')) else ''}, "
-        f"{config['k']} chunks each, {config['max_tokens']} tokens, "
+        f"{config['k']} chunks each{f' (re-cut to ~{w} words)' if (w := config.get('passage_words')) else ''}, "
+        f"{config['max_tokens']} tokens, "
         f"model {config['model']}, chunk KV {config.get('chunk_kv', 'precomputed')}"
         f"{f' ({n} neighbours)' if (n := config.get('neighbours')) else ''}{turn}",
         "",

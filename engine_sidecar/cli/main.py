@@ -386,6 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "evaluation questions")
     fid.add_argument("--n", type=int, default=20, help="number of questions (from --start)")
     fid.add_argument("--k", type=int, default=4, help="chunks per question")
+    fid.add_argument("--passage-words", type=int, default=None, metavar="W",
+                     help="re-cut each record's passages, in order, into sentence-aligned passages of about W "
+                          "words before taking --k: many short passages per question from a set of few long "
+                          "ones (e.g. MuSiQue with --passage-words 70 --k 10: ~1,200-token prompts of ten "
+                          "~120-token passages, HotpotQA's shape)")
     fid.add_argument("--policies", default=default_fidelity_policies(), type=fidelity_policy_list_arg,
                      help="comma list of " + POLICY_HELP + ORACLE_HELP
                      + f" (default: {default_fidelity_policies()}: the baseline, the engine's default and the "
