@@ -9,9 +9,13 @@ engine's `full` is an honest baseline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import statistics
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,10 +110,29 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     # Each question is asked once per policy: a CP-Tree would turn later policies' chunks into
     # exact prefix hits and blur what each fusion policy does on its own.
     args.no_prefix_tree = True
-    with engine_from_args(args) as engine:
-        measuring = _start_measuring(args, engine, plan.records, console)
-        rows = _measure_questions(args, plan, measuring, console)
+    with _own_disk_tier(args) as engine_args, engine_from_args(engine_args) as engine:
+        measuring = _start_measuring(engine_args, engine, plan.records, console)
+        rows = _measure_questions(engine_args, plan, measuring, console)
     return _report(args, plan, rows, measuring.noise_name, console)
+
+
+@contextlib.contextmanager
+def _own_disk_tier(args: argparse.Namespace) -> Iterator[argparse.Namespace]:
+    """The arguments with the disk tier in a new, empty folder (inside --cache-dir when given),
+    removed after the run. The store serves a stored entry for the same chunk whatever made it, so
+    a disk tier shared with an earlier run, or with the run of another --chunk-kv mode, would hand
+    one mode's KV (say, warmed after neighbours) to the next mode's questions."""
+    if getattr(args, "no_disk", False):
+        yield args
+        return
+    parent = getattr(args, "cache_dir", None)
+    if parent is not None:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="ragcache-bench-fidelity-", dir=parent))
+    try:
+        yield argparse.Namespace(**{**vars(args), "cache_dir": folder})
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _plan_run(args: argparse.Namespace) -> _RunPlan:

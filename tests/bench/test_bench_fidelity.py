@@ -236,3 +236,23 @@ def test_several_chunk_kv_modes_run_in_one_command_and_are_paired(tiny_llama_dir
              "--policies", "full,reuse", "--model", str(tiny_llama_dir), "--no-transformers", "--no-disk", *bad],
             capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_each_chunk_kv_mode_reads_only_the_kv_it_made_itself(tiny_llama_dir, tmp_path):
+    """With the disk tier on, the precomputed run after a neighbours run must not be served the
+    neighbour-warmed entries the first run left on disk, nor anything from the user's cache."""
+    home = tmp_path / "home"
+    out = tmp_path / "modes.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", "--data", "fanoutqa", "--k", "3", "--n", "3",
+         "--model", str(tiny_llama_dir), "--no-transformers", "--max-tokens", "3", "--no-generate",
+         "--policies", "full,reuse", "--chunk-kv", "neighbours,precomputed", "--neighbours", "1",
+         "--baseline", "reuse@neighbours", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "RAGCACHE_HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr
+    runs = {mode: json.loads((tmp_path / f"modes-{mode}.json").read_text()) for mode in ("neighbours", "precomputed")}
+    kl = {mode: [row["policies"]["reuse"]["tf_kl"] for row in run["rows"]] for mode, run in runs.items()}
+    # KV computed alone and KV warmed after a neighbour give other logits for every question
+    assert all(a != b for a, b in zip(kl["neighbours"], kl["precomputed"], strict=True)), kl
+    # the runs stored into folders of their own, removed afterwards
+    assert [p for p in home.rglob("*") if p.is_file() and "kv" in p.parts] == []
