@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export PIP_NO_CACHE_DIR := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster
+.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-short bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,14 @@ NB_FLAGS = --k 4 --no-transformers --no-disk --dtype $(BENCH_DTYPE) --no-generat
 bench-neighbours: model
 	$(BIN)/ragcache bench fidelity --data $(DATA) --n 100 $(NB_FLAGS) --policies $(NB_POLICIES) --chunk-kv precomputed,neighbours --json bench-results/nb/mq100.json
 	$(BIN)/ragcache bench fidelity --data fanoutqa --n 100 $(NB_FLAGS) --policies $(NB_POLICIES) --chunk-kv precomputed,neighbours --json bench-results/nb/fq100.json
+
+# many short passages per question: MuSiQue's questions with their passages re-cut into ~70-word
+# ones, 10 per prompt (~1,300 tokens), both chunk-KV sources paired (docs/benchmarks.md, "Many short
+# passages"; ~40 min on 2 cores)
+SHORT_POLICIES = full,reuse,cacheblend,prophet:0.15:nowindow,mix:0.10:split:probe8
+SHORT_FLAGS = --k 10 --passage-words 70 --no-transformers --no-disk --dtype $(BENCH_DTYPE) --no-generate --no-divergence
+bench-short: model
+	$(BIN)/ragcache bench fidelity --data $(DATA) --n 100 $(SHORT_FLAGS) --policies $(SHORT_POLICIES) --chunk-kv precomputed,neighbours --baseline cacheblend@neighbours --json bench-results/short/mqs100.json
 
 # N (neighbours per chunk) on calibration splits no evaluation uses: MuSiQue 100-139, FanOutQA 150-189
 NB_SWEEP = 1 2 3 4 6

@@ -31,7 +31,8 @@ def run_fidelity(args: argparse.Namespace) -> int:
         runs.append((mode, run_one(one)["rows"]))
     print(pair_loaded(runs, args.json, baseline, {"data": str(args.data), "k": args.k, "max_tokens": args.max_tokens,
                                                   "model": str(args.model), "follow_up": bool(args.follow_up),
-                                                  "start": getattr(args, "start", 0)}))
+                                                  "start": getattr(args, "start", 0),
+                                                  "passage_words": getattr(args, "passage_words", None)}))
     return 0
 
 
