@@ -92,8 +92,8 @@ bench-neighbours: model
 
 # many short passages per question: MuSiQue's questions with their passages re-cut into ~70-word
 # ones, 10 per prompt (~1,300 tokens), both chunk-KV sources paired (docs/benchmarks.md, "Many short
-# passages"; ~40 min on 2 cores)
-SHORT_POLICIES = full,reuse,cacheblend,prophet:0.15:nowindow,mix:0.10:split:probe8
+# passages"; ~1 h on 2 cores)
+SHORT_POLICIES = full,reuse,cacheblend,prophet:0.15:nowindow,prophet:0.15:nowindow:probe8,mix:0.15:split,mix:0.15:split:probe8,mix:0.10:split:probe8
 SHORT_FLAGS = --k 10 --passage-words 70 --no-transformers --no-disk --dtype $(BENCH_DTYPE) --no-generate --no-divergence
 bench-short: model
 	$(BIN)/ragcache bench fidelity --data $(DATA) --n 100 $(SHORT_FLAGS) --policies $(SHORT_POLICIES) --chunk-kv precomputed,neighbours --baseline cacheblend@neighbours --json bench-results/short/mqs100.json
