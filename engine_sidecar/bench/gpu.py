@@ -15,10 +15,13 @@ the others still run):
   once at the measured memory bandwidth, and the prefill's FLOPs at the measured matmul peak.
 - **decode**: output tokens/s at 1, 8 and 32 concurrent requests (`ignore_eos`), with the floor
   one batched step costs (weights read once per step).
+- **http**: the sidecar's app in this process, closed-loop clients streaming over HTTP at
+  `--http-clients` concurrencies (bench/gpu_http.py): TTFT p50/p99 and output tokens/s.
 
 Peaks are measured on the machine (a large device copy; a large bf16/fp32 matmul), not taken from
 a datasheet. `--device cpu --quick` is a dry run with tiny shapes (a CI test runs it).
-Needs torch and transformers (reference only); runs without fastapi or rich.
+Needs torch and transformers (reference only); runs without rich, and without fastapi/uvicorn
+but for the http section, which then says what is missing.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch
 
 from engine_sidecar.bench.gpu_counts import host_syncs, launches, sync
 from engine_sidecar.bench.gpu_decode import decode_section, graph_decode_guard
+from engine_sidecar.bench.gpu_http import http_section
 from engine_sidecar.bench.gpu_models import (
     QUESTION,
     SHAPES,
@@ -420,6 +424,8 @@ def run_gpu_bench(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             section(f"decode_{shapes[-1]}_graphs", lambda: decode_section(shapes[-1], device, dtype, tokenizer_dir,
                                                                           work, args, peaks, graphs=True))
+        if args.http_clients:
+            section(f"http_{shapes[-1]}", lambda: http_section(shapes[-1], device, dtype, tokenizer_dir, work, args))
     write(args.out, report)
     print(markdown(report))
     return report
@@ -500,9 +506,24 @@ def markdown(report: dict[str, Any]) -> str:
                 lines += [f"GPU kernels and copies per generated token, 1 request: {value['launches_per_token']}", ""]
             if "graph_capture_failed" in value:
                 lines += [f"Graph capture failed, decoded op by op: {value['graph_capture_failed']}", ""]
+        elif key.startswith("http_"):
+            lines += _http_lines(key[5:], value)
         elif isinstance(value, dict) and "error" in value:
             lines += [f"{key}: error: {value['error'].splitlines()[0]}", ""]
     return "\n".join(lines).rstrip()
+
+
+def _http_lines(shape: str, value: dict[str, Any]) -> list[str]:
+    if "skipped" in value or "error" in value:
+        return [f"HTTP, {shape} shape: {'skipped' if 'skipped' in value else 'error'}: "
+                f"{(value.get('skipped') or value['error']).splitlines()[0]}", ""]
+    lines = [f"HTTP, {shape} shape: streamed `/v1/generate`, {value['passages']} stored passages of "
+             f"~{value['passage_tokens']} tokens each in a new order, {value['tokens_each']} tokens each, "
+             f"policy {value['policy']}:", "",
+             "| clients | requests | errors | TTFT p50 s | TTFT p99 s | output tokens/s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {c} | {r['requests']} | {r['errors']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | "
+              f"{round(r['output_tokens_per_s'], 1)} |" for c, r in value.items() if isinstance(r, dict)]
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> int:

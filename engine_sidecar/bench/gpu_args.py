@@ -23,6 +23,15 @@ def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
                                                                   "(default 128; 4 with --quick)")
     p.add_argument("--concurrency", default=None, help="comma list of concurrent requests for decode "
                                                        "(default 1,8,32; 1,2 with --quick)")
+    p.add_argument("--http-clients", default=None, help="comma list of concurrent streamed HTTP clients "
+                                                        "(default 1,8; 1,2 with --quick; 0 skips the section)")
+    p.add_argument("--http-requests", type=int, default=None, help="requests each HTTP client sends per level "
+                                                                  "(default 4; 1 with --quick)")
+    p.add_argument("--http-passages", type=int, default=None, help="stored passages per HTTP request "
+                                                                  "(default 8; 2 with --quick)")
+    p.add_argument("--http-passage-tokens", type=int, default=None, help="tokens per passage of an HTTP request "
+                                                                        "(default 200; 60 with --quick)")
+    p.add_argument("--http-policy", default="cacheblend", help="policy of the HTTP requests (default cacheblend)")
     p.add_argument("--ram-gib", type=float, default=20.0, help="RAM (or device) budget of the chunk store, GiB")
     p.add_argument("--tokenizer", type=Path, default=None, help="folder with the tokenizer files "
                                                                 "(default: the prepared default model's)")
@@ -42,17 +51,28 @@ def finish_arguments(args: argparse.Namespace) -> argparse.Namespace:
     unknown = [s for s in args.shapes if s not in SHAPE_NAMES]
     if unknown or not args.shapes:
         raise ValueError(f"--shapes: unknown {', '.join(unknown) or '(none given)'}; use {', '.join(SHAPE_NAMES)}")
-    text = args.concurrency or ("1,2" if quick else "1,8,32")
-    try:
-        args.concurrency = [int(c) for c in str(text).split(",") if c.strip()]
-    except ValueError:
-        raise ValueError(f"--concurrency: a comma list of whole numbers, got '{text}'") from None
-    for name in ("passages", "passage_tokens", "repeats", "decode_tokens"):
+    args.concurrency = _whole_numbers("--concurrency", args.concurrency or ("1,2" if quick else "1,8,32"))
+    clients = _whole_numbers("--http-clients", args.http_clients or ("1,2" if quick else "1,8"))
+    args.http_clients = [] if clients == [0] else clients
+    args.http_requests = args.http_requests or (1 if quick else 4)
+    args.http_passages = args.http_passages or (2 if quick else 8)
+    args.http_passage_tokens = args.http_passage_tokens or (60 if quick else 200)
+    for name in ("passages", "passage_tokens", "repeats", "decode_tokens", "http_requests", "http_passages",
+                 "http_passage_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be at least 1")
     if not args.concurrency or min(args.concurrency) < 1:
         raise ValueError("--concurrency: whole numbers >= 1")
+    if args.http_clients and min(args.http_clients) < 1:
+        raise ValueError("--http-clients: whole numbers >= 1, or 0 alone to skip the section")
     if args.ram_gib <= 0:
         raise ValueError("--ram-gib: must be above 0")
     args.ram_bytes = int(args.ram_gib * 2**30)
     return args
+
+
+def _whole_numbers(flag: str, text: str) -> list[int]:
+    try:
+        return [int(c) for c in str(text).split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: a comma list of whole numbers, got '{text}'") from None

@@ -41,7 +41,13 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
     assert ttft["transformers_full_ms"] > 0 and ttft["floor_weights_read_ms"] > 0 and ttft["floor_full_prefill_ms"] > 0
     decode = report["decode_tiny"]
     assert decode["1"]["output_tokens"] == 4 and decode["2"]["output_tokens"] == 8
+    http = report["http_tiny"]  # the sidecar's own app, clients streaming over a loopback port
+    assert [(http[c]["requests"], http[c]["errors"], http[c]["output_tokens"]) for c in ("1", "2")] == [(1, 0, 4),
+                                                                                                      (2, 0, 8)]
+    assert all(0 < http[c]["ttft_p50_s"] <= http[c]["ttft_p99_s"] and http[c]["output_tokens_per_s"] > 0
+               for c in ("1", "2"))
     table = (out / "bench-gpu.md").read_text()
+    assert "HTTP, tiny shape: streamed `/v1/generate`, 2 stored passages" in table
     assert report["machine"]["name"] in table and "| full | reuse |" in table and "floor tokens/s" in table
     assert "host tier round trip exact, disk copy exact" in table
     assert f"Launches per request (aten ops, views excluded): full {ttft['policies']['full']['launches']}" in table
@@ -50,7 +56,9 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("flag,value,message", [("--shapes", "huge", "unknown huge"),
                                                 ("--concurrency", "0", "--concurrency"),
-                                                ("--repeats", "-1", "--repeats")])
+                                                ("--repeats", "-1", "--repeats"),
+                                                ("--http-clients", "2,x", "--http-clients"),
+                                                ("--http-clients", "0,2", "--http-clients")])
 def test_bad_flags_are_one_line_before_any_work(tmp_path, capsys, flag, value, message):
     assert main(["bench", "gpu", "--device", "cpu", "--quick", flag, value, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -70,6 +78,9 @@ def test_it_runs_without_the_server_stack(smol_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "bench-gpu.json").read_text())
     assert not [k for k, v in report.items() if isinstance(v, dict) and "error" in v], report
+    # the HTTP section alone needs the server stack, and says so rather than failing
+    assert "server extra" in report["http_tiny"]["skipped"]
+    assert "HTTP, tiny shape: skipped: needs the server extra" in (tmp_path / "bench-gpu.md").read_text()
 
 
 def test_the_flags_name_every_shape_the_benchmark_has():
