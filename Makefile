@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export PIP_NO_CACHE_DIR := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-short bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster
+.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-short bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster gpu-kit
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -133,3 +133,9 @@ bench-cluster: model
 	nice -n 10 $(BIN)/ragcache bench cluster --requests 200 --replicas 3 --dtype $(BENCH_DTYPE) --max-tokens 8 --json bench-results/cluster.json
 	nice -n 10 $(BIN)/ragcache bench cluster --requests 200 --replicas 3 --dtype $(BENCH_DTYPE) --max-tokens 8 \
 		--retrieval per-document --json bench-results/cluster-per-document.json
+
+# What a CUDA machine without network needs for `ragcache bench gpu` from a plain checkout: the
+# server stack's wheels (CPython 3.12, x86-64) and the tokenizer, in .gpu-kit/ (docs/deployment.md).
+# There: python3 -m engine_sidecar.bench.gpu_kit run --out "$$OUT"
+gpu-kit: model
+	$(BIN)/python -m engine_sidecar.bench.gpu_kit pack

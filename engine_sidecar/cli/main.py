@@ -536,11 +536,12 @@ def build_parser() -> argparse.ArgumentParser:
     from engine_sidecar.bench.gpu_args import add_gpu_arguments  # argparse only: no torch import
 
     gpu = bench.add_parser("gpu", help="the engine on a GPU beside its floors: kernels, guards, TTFT per policy on "
-                           "Llama-1B/8B shapes, decode tokens/s", description="On a CUDA machine (or --device cpu "
+                           "Llama-1B/8B shapes, decode and HTTP tokens/s", description="On a CUDA machine (or --device cpu "
                            "--quick as a dry run): Triton vs torch kernels, the correctness guards on the device, TTFT "
                            "per policy on random-weight Llama-1B and Llama-8B shapes (stored passages in a new order "
                            "plus a new question) with transformers' full prefill beside, decode tokens/s at 1, 8 and 32 "
-                           "concurrent requests, and the floors from the measured memory bandwidth and matmul peak. "
+                           "concurrent requests, streamed HTTP clients against the sidecar's app (TTFT, tokens/s), and the floors "
+                           "from the measured memory bandwidth and matmul peak. "
                            "Writes OUT/bench-gpu.json and OUT/bench-gpu.md; exits 1 if a guard fails.")
     add_gpu_arguments(gpu)
     gpu.set_defaults(func=cmd_bench_gpu)
