@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
+
 SHAPE_NAMES = ("tiny", "small", "1b", "8b")  # engine_sidecar.bench.gpu.SHAPES
 
 
@@ -65,6 +67,10 @@ def finish_arguments(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--concurrency: whole numbers >= 1")
     if args.http_clients and min(args.http_clients) < 1:
         raise ValueError("--http-clients: whole numbers >= 1, or 0 alone to skip the section")
+    try:  # a bad spec would otherwise surface only as the HTTP section's failed requests
+        parse_policy_spec(args.http_policy)
+    except PolicySpecError as exc:
+        raise ValueError(f"--http-policy: {exc}") from None
     if args.ram_gib <= 0:
         raise ValueError("--ram-gib: must be above 0")
     args.ram_bytes = int(args.ram_gib * 2**30)

@@ -115,8 +115,10 @@ def install(kit: Path, site: Path) -> None:
         if done.returncode != 0:
             raise SystemExit(f"ragcache: error: the kit's wheels did not install into {site} (above)")
     link = site / "ragcache_kernels"
-    if link.is_symlink() or link.exists():
-        link.unlink() if link.is_symlink() else shutil.rmtree(link)
+    if link.is_symlink():
+        link.unlink()
+    elif link.exists():
+        shutil.rmtree(link)
     link.symlink_to(ROOT / "kernels", target_is_directory=True)
 
 

@@ -58,7 +58,8 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
                                                 ("--concurrency", "0", "--concurrency"),
                                                 ("--repeats", "-1", "--repeats"),
                                                 ("--http-clients", "2,x", "--http-clients"),
-                                                ("--http-clients", "0,2", "--http-clients")])
+                                                ("--http-clients", "0,2", "--http-clients"),
+                                                ("--http-policy", "cacheblend:2", "--http-policy")])
 def test_bad_flags_are_one_line_before_any_work(tmp_path, capsys, flag, value, message):
     assert main(["bench", "gpu", "--device", "cpu", "--quick", flag, value, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
