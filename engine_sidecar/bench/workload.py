@@ -103,6 +103,10 @@ def run_workload(args: argparse.Namespace) -> int:
             logs.pop(s)
         vllm_systems = []
     with contextlib.ExitStack() as stack:
+        # each engine's scheduler and store threads stopped before the interpreter exits: one still
+        # running torch work at exit can abort the process after the results are written
+        for engine in engines.values():
+            stack.callback(engine.close)
         replay = None
         if vllm_systems and python is not None:
             replay = _start_vllm(stack, args, python, model_dir, builder, corpus.passages, vllm_systems,
