@@ -6,8 +6,8 @@ Here (with the package registries in reach):
     python -m engine_sidecar.bench.gpu_kit pack          # or: make gpu-kit
 
 writes `.gpu-kit/`: wheels for the server stack at the versions installed here (pydantic, fastapi,
-uvicorn and what they need, for CPython 3.12 on x86-64 Linux), and the default model's tokenizer
-files (the benchmark's models have random weights; only the tokenizer is real). There, from the
+uvicorn, prometheus-client and what they need, for CPython 3.12 on x86-64 Linux), and the default
+model's tokenizer files (the benchmark's models have random weights; only the tokenizer is real). There, from the
 checkout's root, with `.gpu-kit` carried beside it:
 
     python3 -m engine_sidecar.bench.gpu_kit run --out "$OUT" [-- bench gpu flags]
@@ -30,8 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / ".gpu-kit"
 SITE = Path("/tmp/ragcache-gpu-site")
-# what the sidecar's app needs beyond the GPU image (torch, Triton, transformers, httpx, numpy, rich)
-SERVER_ROOTS = ("pydantic", "fastapi", "uvicorn")
+# the server extra's own requirements: what the sidecar's app needs beyond torch, Triton,
+# transformers, httpx, numpy and rich (prometheus-client is in the GPU image as it stands, but the
+# kit does not count on it)
+SERVER_ROOTS = ("pydantic", "fastapi", "uvicorn", "prometheus-client")
 TARGET_PYTHON = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")

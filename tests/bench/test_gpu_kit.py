@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_packed_wheels_are_the_server_stacks_closure_at_the_installed_versions():
     closure = requirement_closure(SERVER_ROOTS)
     # what the app imports beyond the GPU image, and what those need in turn
-    assert {"pydantic", "pydantic-core", "fastapi", "starlette", "uvicorn", "annotated-types", "h11"} <= set(closure)
+    assert {"pydantic", "pydantic-core", "fastapi", "starlette", "uvicorn", "annotated-types", "h11",
+            "prometheus-client"} <= set(closure)
     assert all(closure[name] == metadata.version(name) for name in closure)
     # extras are left out: uvicorn[standard]'s uvloop and fastapi[all]'s jinja2 are not required
     assert "uvloop" not in closure and "jinja2" not in closure
