@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export PIP_NO_CACHE_DIR := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-short bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster gpu-kit
+.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-short bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster gpu-kit cross-compile
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -139,3 +139,8 @@ bench-cluster: model
 # There: python3 -m engine_sidecar.bench.gpu_kit run --out "$$OUT"
 gpu-kit: model
 	$(BIN)/python -m engine_sidecar.bench.gpu_kit pack
+
+# Every Triton kernel compiled for an H100 (sm_90a) at the engine's shapes and checked against
+# its limits, without a GPU (docs/kernels.md).
+cross-compile: install
+	env -u TRITON_INTERPRET $(BIN)/python -m ragcache_kernels.cross_compile

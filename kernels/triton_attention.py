@@ -25,6 +25,13 @@ import triton.language as tl
 from ragcache_kernels._triton_common import MAX_MASS_SEGMENTS, check_device, dot_in_fp32, interpreting
 
 LOG2E = 1.4426950408889634
+# Sizes that change from request to request. Triton compiles a new variant for an int argument
+# equal to 1 or divisible by 16 unless told not to: left specialised, a stream of prompts of
+# varying lengths compiled ~13 variants of this kernel on one model (a second or so each on a
+# GPU, on whichever request met the shape first). Strides stay specialised: they are fixed per
+# model, and their divisibility lets loads vectorise, except those of the splits' partial results,
+# which grow with the query count.
+SIZES_OF_ATTENTION = ["num_queries", "num_keys", "keys_per_split", "window", "stride_ps", "stride_ms"]
 # Sentinel position beyond any real one (positions are int64).
 _FAR = tl.constexpr(1 << 62)
 
@@ -53,7 +60,7 @@ def _store_queries(OUT, MASS, PART_ACC, PART_ML, acc, seg_acc, m_i, l_i, offs_m,
             tl.store(mass_ptrs, seg_acc / l_safe[:, None], mask=m_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES_OF_ATTENTION)
 def _selective_attention_kernel(
     Q, K, V, OUT, QPOS, KPOS, SEG, MASS, PART_ACC, PART_ML, num_queries, num_keys, keys_per_split, qk_scale,
     window, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -136,7 +143,7 @@ def _selective_attention_kernel(
                    HEAD_DIM, WITH_MASS, SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ms"])
 def merge_splits_kernel(
     PART_ACC,
     PART_ML,
@@ -197,10 +204,16 @@ def key_splits(programs: int, num_keys: int, block_n: int, multiprocessors: int)
     return max(1, min(wanted, most, MAX_SPLITS))
 
 
-def _default_blocks(head_dim: int) -> tuple[int, int]:
+def default_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for a launch: the largest tiles that compile for sm_90 without spilling
+    registers (`python -m ragcache_kernels.cross_compile` reports them per variant)."""
     if interpreting():
         # Small tiles: the interpreter's cost grows with tile area, and tests want many blocks.
         return 16, 16
+    if dtype == torch.float32:
+        # fp32 dots run on FMA units with every operand in registers: at 64 x 64 ptxas falls
+        # back to 32 registers and ~40 KB of spills per thread; these tiles fit without spilling
+        return (32 if head_dim <= 64 else 16), 32
     return 64, (64 if head_dim <= 64 else 32)
 
 
@@ -257,7 +270,7 @@ def selective_attention(
     if num_queries == 0:
         return out, (mass_heads[:, :, :num_segments].mean(1) if with_mass else None)
 
-    default_m, default_n = _default_blocks(head_dim)
+    default_m, default_n = default_blocks(head_dim, q.dtype)
     block_m, block_n = block_m or default_m, block_n or default_n
     scale = head_dim**-0.5 if scale is None else scale
     query_blocks = triton.cdiv(num_queries, block_m)

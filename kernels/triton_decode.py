@@ -108,7 +108,7 @@ def table_columns(
     return columns, longest
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "layer"])
 def _append_rows_kernel(
     TABLE, K_PRE_NEW, K_NEW, V_NEW, batch, layer, stride_new, ROW: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -128,7 +128,7 @@ def _append_rows_kernel(
     tl.store(value + row + offs, tl.load(V_NEW + src, mask=ok), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "layer", "num_splits", "stride_ps", "stride_ms"])
 def _decode_attention_kernel(
     TABLE, Q, OUT, PART_ACC, PART_ML, batch, layer, num_splits, qk_scale, stride_qb, stride_ob, stride_ps,
     stride_pb, stride_ms, stride_mb, GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -234,6 +234,14 @@ def append_rows(
     )
 
 
+def default_block_n(head_dim: int, dtype: torch.dtype) -> int:
+    """Keys per tile: the most that compile for sm_90 without spilling registers (fp32 tiles,
+    on FMA units with every operand in registers, spill at 64)."""
+    if interpreting():
+        return 16
+    return 32 if dtype == torch.float32 else 64
+
+
 def decode_attention(
     step: DecodeBatch,
     layer: int,
@@ -256,7 +264,7 @@ def decode_attention(
     q = q if q.is_contiguous() else q.contiguous()
     check_device(q)
     group = heads // step.kv_heads
-    block_n = block_n or (16 if interpreting() else 64)
+    block_n = block_n or default_block_n(head_dim, q.dtype)
     if splits is None:
         splits = key_splits(batch * step.kv_heads, step.longest, block_n, multiprocessors(q.device))
     splits = max(1, min(splits, triton.cdiv(step.longest, block_n)))

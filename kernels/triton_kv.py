@@ -9,7 +9,7 @@ import triton.language as tl
 from ragcache_kernels._triton_common import check_device, rows_are_dense
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _deviation_kernel(
     NEW,
     CACHED,
@@ -103,7 +103,7 @@ def kv_deviation(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _scatter_rows_kernel(
     DST,
     SRC,

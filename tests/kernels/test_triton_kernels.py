@@ -153,7 +153,7 @@ def test_few_queries_over_many_keys_split_by_default() -> None:
     """A launch too small to fill the device splits its keys on its own (here: 1 query block x 2
     heads over 200 keys, against the interpreter's pretend multiprocessors), and mass never does."""
     q, k, v, qpos, kpos = scattered_case(3, 200, 2, 2, 64, torch.float32, seed=8)
-    block_m, block_n = triton_attention._default_blocks(64)
+    block_m, block_n = triton_attention.default_blocks(64, torch.float32)
     assert triton_attention.key_splits(2, 200, block_n, triton_attention.multiprocessors(q.device)) > 1
     assert triton_attention.key_splits(264, 200, block_n, 132) == 1  # enough programs already
     assert triton_attention.key_splits(2, 40, block_n, 132) == 1  # too few keys to be worth it
