@@ -187,6 +187,9 @@ def merge_splits_kernel(
 PROGRAMS_PER_MULTIPROCESSOR = 2
 MIN_SPLIT_BLOCKS = 4
 MAX_SPLITS = 64
+# The merge reads its splits as one tile of this many rows, whatever the count (the rest masked):
+# one compiled variant for every split count, where a tile per power of two compiled six.
+MERGE_BLOCK_SPLITS = MAX_SPLITS
 # The interpreter has no multiprocessors; pretending to a few makes small test launches split.
 INTERPRETER_MULTIPROCESSORS = 4
 
@@ -278,6 +281,7 @@ def selective_attention(
         splits = 1
     elif splits is None:
         splits = key_splits(query_blocks * heads, num_keys, block_n, multiprocessors(q.device))
+    splits = min(splits, MAX_SPLITS)  # the merge's tile holds this many
     # whole key blocks per split, and no split left empty
     keys_per_split = triton.cdiv(triton.cdiv(max(num_keys, 1), max(splits, 1)), block_n) * block_n
     splits = max(1, triton.cdiv(num_keys, keys_per_split))
@@ -305,7 +309,7 @@ def selective_attention(
             part_acc, part_ml, out, splits, part_acc.stride(0), part_acc.stride(1), part_ml.stride(0),
             part_ml.stride(1), out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            BLOCK_SPLITS=max(2, triton.next_power_of_2(splits))
+            BLOCK_SPLITS=MERGE_BLOCK_SPLITS
         )
     mass = mass_heads[:, :, :num_segments].mean(1) if with_mass else None
     return out, mass

@@ -22,7 +22,14 @@ import triton
 import triton.language as tl
 
 from ragcache_kernels._triton_common import check_device, dot_in_fp32, interpreting
-from ragcache_kernels.triton_attention import LOG2E, key_splits, merge_splits_kernel, multiprocessors
+from ragcache_kernels.triton_attention import (
+    LOG2E,
+    MAX_SPLITS,
+    MERGE_BLOCK_SPLITS,
+    key_splits,
+    merge_splits_kernel,
+    multiprocessors,
+)
 
 
 @dataclass(frozen=True)
@@ -267,7 +274,7 @@ def decode_attention(
     block_n = block_n or default_block_n(head_dim, q.dtype)
     if splits is None:
         splits = key_splits(batch * step.kv_heads, step.longest, block_n, multiprocessors(q.device))
-    splits = max(1, min(splits, triton.cdiv(step.longest, block_n)))
+    splits = max(1, min(splits, triton.cdiv(step.longest, block_n), MAX_SPLITS))
     out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
     if splits > 1:
         part_acc = torch.empty(splits, batch, heads, head_dim, dtype=torch.float32, device=q.device)
@@ -317,6 +324,6 @@ def decode_attention(
             HEADS=heads,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)),
+            BLOCK_SPLITS=MERGE_BLOCK_SPLITS,
         )
     return out.reshape(batch, heads * head_dim)

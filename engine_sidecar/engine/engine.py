@@ -8,6 +8,7 @@ take the same lock between steps.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.calibration import resolve as fused_temperatures
 from engine_sidecar.execution.costs import CostMeter
 from engine_sidecar.execution.decode_graphs import decode_graphs
+from engine_sidecar.execution.kernel_warmup import warm_kernels
 from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import Policy, parse_policy
@@ -55,6 +57,8 @@ from ragcache_integrations.types import (
     GenerationStats,
     SamplingParams,
 )
+
+log = logging.getLogger("ragcache.engine")
 
 
 class Engine:
@@ -105,7 +109,11 @@ class Engine:
         if config.threads:
             torch.set_num_threads(config.threads)
         model_dir = resolve_model_dir(config.model)
-        return cls.from_runner(ModelRunner.load(model_dir, device=device, dtype=dtype), model_dir, config)
+        runner = ModelRunner.load(model_dir, device=device, dtype=dtype)
+        if runner.device.type == "cuda":
+            # the Triton kernels compile now, not on the first requests that meet each of them
+            log.info("GPU kernels compiled and run once in %.1f s", warm_kernels(runner))
+        return cls.from_runner(runner, model_dir, config)
 
     @classmethod
     def from_runner(cls, runner: ModelRunner, model_dir: Path, config: EngineConfig) -> Engine:

@@ -1,0 +1,72 @@
+"""Kernels compiled before the first request: one full, one reused and one fused prefill and two
+decode steps of a made-up prompt, run through the executor as a request's would be.
+
+On a GPU the Triton kernels compile on their first launch of each variant (a second or so each),
+which would land on whichever request meets a variant first. Their sizes are not specialised, so
+a handful of launches covers what requests launch: attention over every row and over a few rows
+with split keys, CacheBlend's recompute, decode with and without split keys. Nothing touches the
+chunk store: the prompt's KV lives in buffers of its own and is dropped afterwards."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine_sidecar.execution.executor import KVBuffer, decode_batch, fused_prefill
+from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+from engine_sidecar.execution.policies.cacheblend import CacheBlendPolicy
+from engine_sidecar.execution.policies.plain import FullPolicy, ReusePolicy
+from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.store.entry import ChunkKV
+
+# Long enough that a few query rows split their keys on a GPU (four splits of 4 x 64 keys); the
+# short prompt's decode does not split.
+LONG_TOKENS = 1024
+SHORT_TOKENS = 64
+CHUNKS = 4
+QUESTION_TOKENS = 16
+
+
+def _ids(count: int, vocab: int, seed: int) -> tuple[int, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    # away from the low ids, where models keep their special tokens
+    return tuple(torch.randint(min(16, vocab - 1), vocab, (count,), generator=generator).tolist())
+
+
+def _full(runner: ModelRunner, ids: tuple[int, ...]) -> KVBuffer:
+    plan = FusionPlan([PlanSpan("question", 0, ids, "fresh")], "full")
+    return fused_prefill(runner, plan, FullPolicy(), capacity=len(ids) + 2).kv
+
+
+def _fused_plan(ids: tuple[int, ...], kv: KVBuffer) -> FusionPlan:
+    """The prompt's chunks in reverse order at new positions, their KV from `kv`, and a question."""
+    body = len(ids) - QUESTION_TOKENS
+    bounds = [body * i // CHUNKS for i in range(CHUNKS + 1)]
+    spans, start = [], 0
+    for lo, hi in reversed(list(zip(bounds, bounds[1:], strict=False))):
+        cached = ChunkKV(kv.keys_pre[:, lo:hi].clone(), kv.values[:, lo:hi].clone(),
+                         torch.tensor(ids[lo:hi], dtype=torch.int64))
+        spans.append(PlanSpan("chunk", start, ids[lo:hi], "fuse", cached))
+        start += hi - lo
+    spans.append(PlanSpan("question", start, ids[body:], "fresh"))
+    return FusionPlan(spans, "warm-up")
+
+
+def warm_kernels(runner: ModelRunner, long_tokens: int = LONG_TOKENS, short_tokens: int = SHORT_TOKENS) -> float:
+    """Run the made-up prompts; the seconds it took (on a GPU, mostly compiling)."""
+    started = time.perf_counter()
+    vocab = runner.config.vocab_size
+    long_ids, short_ids = _ids(long_tokens, vocab, 0), _ids(short_tokens, vocab, 1)
+    with torch.inference_mode():
+        long_kv = _full(runner, long_ids)
+        plan = _fused_plan(long_ids, long_kv)
+        for policy in (ReusePolicy(), CacheBlendPolicy(0.15)):
+            fused_prefill(runner, plan, policy, capacity=long_tokens + 2)
+        short_kv = _full(runner, short_ids)
+        decode_batch(runner, [long_kv], [long_ids[0]])
+        decode_batch(runner, [short_kv, long_kv], [short_ids[0], long_ids[0]])
+        decode_batch(runner, [short_kv], [short_ids[0]])
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - started
