@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import re
 import subprocess
@@ -279,13 +280,30 @@ def cross_compile(target: Target, shapes: list[str], dtypes: list[str]) -> tuple
     with compiling_for(target, record):
         for shape in shapes:
             for dtype_name in dtypes:
-                for name, call in engine_launches(HEAD_SHAPES[shape], DTYPES[dtype_name]).items():
+                calls = engine_launches(HEAD_SHAPES[shape], DTYPES[dtype_name])
+                if dtype_name != "float32":
+                    calls.update(tile_launches(HEAD_SHAPES[shape], DTYPES[dtype_name]))
+                for name, call in calls.items():
                     label = f"{shape} {dtype_name}: {name}"
                     try:
                         call()
                     except Exception as error:  # a compile error is the finding: report it, go on
                         failures.append(f"{label}: {type(error).__name__}: {str(error).strip()[:500]}")
     return list(variants.values()), failures
+
+
+def tile_launches(heads: tuple[int, int, int], dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+    """The fused prefill's attention at each tile `ragcache bench gpu` may time on the card."""
+    from ragcache_kernels import triton_attention
+
+    h, hkv, d = heads
+    n, rows = PROMPT_TOKENS, FUSED_ROWS
+    keys = torch.empty(n, hkv, d, dtype=dtype)
+    index = torch.linspace(0, n - 1, rows).long()
+    return {f"tile {m}x{k}, {warps} warps, {stages} stages": functools.partial(
+        triton_attention.selective_attention, torch.empty(rows, h, d, dtype=dtype), keys, keys, index,
+        torch.arange(n), block_m=m, block_n=k, splits=1, num_warps=warps, num_stages=stages)
+        for m, k, warps, stages in triton_attention.TILE_CANDIDATES}
 
 
 # --- the command -------------------------------------------------------------------------------------

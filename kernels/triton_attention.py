@@ -207,6 +207,14 @@ def key_splits(programs: int, num_keys: int, block_n: int, multiprocessors: int)
     return max(1, min(wanted, most, MAX_SPLITS))
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) that `ragcache bench gpu` times against the defaults
+# for bf16/fp16 on a card. Each compiles for sm_90 without spilling at head dims 64 and 128
+# (`python -m ragcache_kernels.cross_compile` checks them with the engine's own launches): 64 x 128
+# and 128 x 64 tiles on four warps spill at 128.
+TILE_CANDIDATES = ((64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 32, 8, 3),
+                   (128, 64, 8, 4), (128, 128, 8, 2), (32, 64, 4, 3), (16, 64, 4, 3))
+
+
 def default_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) for a launch: the largest tiles that compile for sm_90 without spilling
     registers (`python -m ragcache_kernels.cross_compile` reports them per variant)."""
@@ -218,6 +226,25 @@ def default_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
         # back to 32 registers and ~40 KB of spills per thread; these tiles fit without spilling
         return (32 if head_dim <= 64 else 16), 32
     return 64, (64 if head_dim <= 64 else 32)
+
+
+def _mass_buffers(segment_ids: torch.Tensor | None, num_queries: int, heads: int, block_s: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-head mass [Tq, H, block_s], segment ids as int32), or placeholders without mass.
+    Mass is kept per head and averaged on the host: deterministic, unlike atomics across heads."""
+    if segment_ids is None:
+        return (torch.empty(1, 1, 1, dtype=torch.float32, device=device),
+                torch.empty(1, dtype=torch.int32, device=device))
+    return (torch.zeros(num_queries, heads, block_s, dtype=torch.float32, device=device),
+            segment_ids.to(device=device, dtype=torch.int32).contiguous())
+
+
+def _split_keys(splits: int, num_keys: int, block_n: int) -> tuple[int, int]:
+    """(splits, keys per split) for a wish of `splits`: whole key blocks per split, none left
+    empty, and no more than the merge's tile holds."""
+    splits = min(splits, MAX_SPLITS)
+    keys_per_split = triton.cdiv(triton.cdiv(max(num_keys, 1), max(splits, 1)), block_n) * block_n
+    return max(1, triton.cdiv(num_keys, keys_per_split)), keys_per_split
 
 
 def _checked_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -246,13 +273,17 @@ def selective_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [Tq, H, D], k/v [Tk, Hkv, D] -> (out [Tq, H, D], mass [Tq, num_segments] fp32 or None).
 
     Mass is returned when `segment_ids` ([Tk] ints; ids outside [0, num_segments) belong to no
     segment) is given. Inputs may be fp32, fp16 or bf16; scores, softmax and accumulation are fp32.
     `splits` divides the keys among that many programs per query block and head (None: chosen
-    from the launch's size and the device's multiprocessors; mass is never split).
+    from the launch's size and the device's multiprocessors; mass is never split). `block_m`,
+    `block_n`, `num_warps` and `num_stages` override the tiles and Triton's launch defaults
+    (`ragcache bench gpu` times the candidates in TILE_CANDIDATES this way).
     """
     q, k, v = _checked_inputs(q, k, v)
     num_queries, heads, head_dim = q.shape
@@ -263,13 +294,7 @@ def selective_attention(
 
     out = torch.empty(num_queries, heads, head_dim, dtype=q.dtype, device=q.device)
     block_s = max(16, triton.next_power_of_2(num_segments)) if with_mass else 16
-    if with_mass:
-        # Per-head mass, averaged on the host: deterministic, unlike atomics across heads.
-        mass_heads = torch.zeros(num_queries, heads, block_s, dtype=torch.float32, device=q.device)
-        seg = segment_ids.to(device=q.device, dtype=torch.int32).contiguous()
-    else:
-        mass_heads = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
-        seg = torch.empty(1, dtype=torch.int32, device=q.device)
+    mass_heads, seg = _mass_buffers(segment_ids, num_queries, heads, block_s, q.device)
     if num_queries == 0:
         return out, (mass_heads[:, :, :num_segments].mean(1) if with_mass else None)
 
@@ -281,16 +306,14 @@ def selective_attention(
         splits = 1
     elif splits is None:
         splits = key_splits(query_blocks * heads, num_keys, block_n, multiprocessors(q.device))
-    splits = min(splits, MAX_SPLITS)  # the merge's tile holds this many
-    # whole key blocks per split, and no split left empty
-    keys_per_split = triton.cdiv(triton.cdiv(max(num_keys, 1), max(splits, 1)), block_n) * block_n
-    splits = max(1, triton.cdiv(num_keys, keys_per_split))
+    splits, keys_per_split = _split_keys(splits, num_keys, block_n)
     if splits > 1:
         part_acc = torch.empty(splits, num_queries, heads, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits, num_queries, heads, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
     grid = (query_blocks, heads, splits)
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     _selective_attention_kernel[grid](
         q, k, v, out, query_pos.to(device=q.device, dtype=torch.int64).contiguous(),
         key_pos.to(device=q.device, dtype=torch.int64).contiguous(), seg, mass_heads, part_acc, part_ml,
@@ -302,7 +325,7 @@ def selective_attention(
         BLOCK_S=block_s, HAS_WINDOW=sliding_window is not None, WITH_MASS=with_mass, SPLIT=splits > 1,
         DOT_FP32=dot_in_fp32(q.dtype),
         # fp32 inputs would otherwise run tf32 dots on GPU (10-bit mantissa) and miss the reference.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32"
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **launch
     )
     if splits > 1:
         merge_splits_kernel[(num_queries, heads)](

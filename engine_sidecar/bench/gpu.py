@@ -4,7 +4,8 @@ Sections, each written to the JSON as soon as it finishes (a failing one records
 the others still run):
 
 - **kernels**: Triton vs torch reference at production shapes (max abs difference), and their
-  timings (`ragcache_kernels.bench`); CUDA only.
+  timings (`ragcache_kernels.bench`); selective attention at each candidate tile against its
+  default (bench/gpu_tiles.py); CUDA only.
 - **guards**: a small random Llama saved as a real model folder and loaded the normal way:
   `full` prefill vs transformers, `cacheblend:1.0` vs `full`, and on CUDA the engine with Triton
   kernels vs torch kernels (logits max abs difference, argmax agreement).
@@ -55,6 +56,7 @@ from engine_sidecar.bench.gpu_models import (
     prefill_flops,
     random_runner,
 )
+from engine_sidecar.bench.gpu_tiles import tile_lines, tile_sweep
 
 POLICIES = ("full", "reuse", "cacheblend:0.15", "cacheblend", "epic:16", "cachecraft:1")
 
@@ -153,6 +155,7 @@ def kernels_section(device: torch.device, quick: bool) -> dict[str, Any]:
             b = dispatch.rotate_keys(k, pos, inv, backend="triton")
             out["max_abs_diff"][f"rope {name}"] = float((a.float() - b.float()).abs().max())
     out["few_queries_split_keys"] = few_queries_split(device, quick)
+    out["tiles"] = tile_sweep(device, quick, timed)
     out["batched_decode_layer"] = batched_decode_bench(device, quick)
     args = argparse.Namespace(model="llama8b", tokens=512 if quick else 8192, ratio=0.15, chunks=8, dtype="bfloat16",
                               device=device.type, warmup=3, repeats=20, out=None)
@@ -472,6 +475,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"| {r['keys']} | {r['queries']} | {r['one_split_ms']} | {r['split_keys_ms']} | {r['speedup']}× |"
                   for r in split]
         lines.append("")
+    tiles = report.get("kernels", {}).get("tiles")
+    if tiles:
+        lines += tile_lines(tiles)
     decode_layer = report.get("kernels", {}).get("batched_decode_layer")
     if decode_layer:
         lines += ["Decode attention, one layer (8B heads, bf16; ms): new rows written and attended per sequence "
