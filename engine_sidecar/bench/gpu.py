@@ -4,8 +4,7 @@ Sections, each written to the JSON as soon as it finishes (a failing one records
 the others still run):
 
 - **kernels**: Triton vs torch reference at production shapes (max abs difference), and their
-  timings (`ragcache_kernels.bench`); selective attention at each candidate tile against its
-  default (bench/gpu_tiles.py); CUDA only.
+  timings (`ragcache_kernels.bench`); CUDA only.
 - **guards**: a small random Llama saved as a real model folder and loaded the normal way:
   `full` prefill vs transformers, `cacheblend:1.0` vs `full`, and on CUDA the engine with Triton
   kernels vs torch kernels (logits max abs difference, argmax agreement).
@@ -18,6 +17,8 @@ the others still run):
   one batched step costs (weights read once per step).
 - **http**: the sidecar's app in this process, closed-loop clients streaming over HTTP at
   `--http-clients` concurrencies (bench/gpu_http.py): TTFT p50/p99 and output tokens/s.
+- **tiles**: the selective attention at each candidate tile against the launch the engine makes
+  (bench/gpu_tiles.py); CUDA only, last because its compiles take the longest.
 
 Peaks are measured on the machine (a large device copy; a large bf16/fp32 matmul), not taken from
 a datasheet. `--device cpu --quick` is a dry run with tiny shapes (a CI test runs it).
@@ -155,7 +156,6 @@ def kernels_section(device: torch.device, quick: bool) -> dict[str, Any]:
             b = dispatch.rotate_keys(k, pos, inv, backend="triton")
             out["max_abs_diff"][f"rope {name}"] = float((a.float() - b.float()).abs().max())
     out["few_queries_split_keys"] = few_queries_split(device, quick)
-    out["tiles"] = tile_sweep(device, quick, timed)
     out["batched_decode_layer"] = batched_decode_bench(device, quick)
     args = argparse.Namespace(model="llama8b", tokens=512 if quick else 8192, ratio=0.15, chunks=8, dtype="bfloat16",
                               device=device.type, warmup=3, repeats=20, out=None)
@@ -429,6 +429,9 @@ def run_gpu_bench(args: argparse.Namespace) -> dict[str, Any]:
                                                                           work, args, peaks, graphs=True))
         if args.http_clients:
             section(f"http_{shapes[-1]}", lambda: http_section(shapes[-1], device, dtype, tokenizer_dir, work, args))
+        if device.type == "cuda":
+            # last: each tile compiles twice (with and without split keys), the run's longest wait
+            section("tiles", lambda: tile_sweep(device, args.quick, timed))
     write(args.out, report)
     print(markdown(report))
     return report
@@ -475,9 +478,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"| {r['keys']} | {r['queries']} | {r['one_split_ms']} | {r['split_keys_ms']} | {r['speedup']}× |"
                   for r in split]
         lines.append("")
-    tiles = report.get("kernels", {}).get("tiles")
-    if tiles:
-        lines += tile_lines(tiles)
+    if isinstance(report.get("tiles"), list):
+        lines += tile_lines(report["tiles"])
     decode_layer = report.get("kernels", {}).get("batched_decode_layer")
     if decode_layer:
         lines += ["Decode attention, one layer (8B heads, bf16; ms): new rows written and attended per sequence "
