@@ -35,7 +35,6 @@ log = logging.getLogger("ragcache.decode_graphs")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 TOKENS_ROW = 6  # the inputs' row after the batched decode table's six
 POSITION_ROW = 4  # the table's new-row row: the position each new token is rotated to
-KEY_BLOCK = 64  # the decode attention kernel's key tile on a GPU (sizes the fixed key split)
 
 
 @dataclass
@@ -142,9 +141,12 @@ class DecodeGraphs:
         if self.fixed_splits is not None:
             return self.fixed_splits
         from ragcache_kernels.triton_attention import key_splits, multiprocessors
+        from ragcache_kernels.triton_decode import default_block_n
 
         c = self.runner.config
-        return key_splits(size * c.num_kv_heads, self.max_context, KEY_BLOCK, multiprocessors(self.runner.device))
+        # the decode attention kernel's own key tile sizes the fixed split
+        return key_splits(size * c.num_kv_heads, self.max_context, default_block_n(c.head_dim, self.runner.dtype),
+                          multiprocessors(self.runner.device))
 
     def _capture(self, graph: BucketGraph) -> None:
         side = torch.cuda.Stream(self.runner.device)

@@ -57,6 +57,9 @@ def warm_kernels(runner: ModelRunner, long_tokens: int = LONG_TOKENS, short_toke
     """Run the made-up prompts; the seconds it took (on a GPU, mostly compiling)."""
     started = time.perf_counter()
     vocab = runner.config.vocab_size
+    # within the model's context, with room for the decode steps
+    long_tokens = min(long_tokens, runner.config.max_position_embeddings - 4)
+    short_tokens = min(short_tokens, long_tokens // 2)
     long_ids, short_ids = _ids(long_tokens, vocab, 0), _ids(short_tokens, vocab, 1)
     with torch.inference_mode():
         long_kv = _full(runner, long_ids)
