@@ -216,8 +216,9 @@ TILE_CANDIDATES = ((64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 3), (64, 64, 4, 4
 
 
 def default_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for a launch: the largest tiles that compile for sm_90 without spilling
-    registers (`python -m ragcache_kernels.cross_compile` reports them per variant)."""
+    """(BLOCK_M, BLOCK_N) for a launch: tiles that compile for sm_90 without spilling registers
+    (`python -m ragcache_kernels.cross_compile` reports them per variant); which of the spill-free
+    candidates is fastest is what `ragcache bench gpu`'s tile section measures on a card."""
     if interpreting():
         # Small tiles: the interpreter's cost grows with tile area, and tests want many blocks.
         return 16, 16
@@ -313,7 +314,8 @@ def selective_attention(
     else:
         part_acc = part_ml = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
     grid = (query_blocks, heads, splits)
-    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    launch = {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages))
+              if value is not None}
     _selective_attention_kernel[grid](
         q, k, v, out, query_pos.to(device=q.device, dtype=torch.int64).contiguous(),
         key_pos.to(device=q.device, dtype=torch.int64).contiguous(), seg, mass_heads, part_acc, part_ml,
