@@ -266,6 +266,19 @@ def _report(
         "triton_available": dispatch.triton_available(),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "results": [asdict(r) for r in rows],
+        "engine_uses": _engine_choice(args) if device.type == "cpu" else None,
+    }
+
+
+def _engine_choice(args: argparse.Namespace) -> dict[str, object]:
+    """What the engine picks on this CPU in "auto" for the timed dtype (cpu_native.prefers_native):
+    the rows above may time a native kernel the engine leaves aside here."""
+    dtype = DTYPES[args.dtype]
+    usable = cpu_native.available(dtype)
+    return {
+        "scattered_prefill_attention": "native" if usable and cpu_native.prefers_native(dtype, False) else "torch",
+        "dense_prefill_attention": "native" if usable and cpu_native.prefers_native(dtype, True) else "torch",
+        "native_linear_max_rows": cpu_native.linear_max_rows(dtype) if usable else 0,
     }
 
 
@@ -306,7 +319,8 @@ def _native_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: t
 
 def _native_linear_rows(dtype: torch.dtype, args: argparse.Namespace) -> list[Row]:
     """A decode step's linear layers (`residual + x W^T`) for 1, 4 and 8 rows: torch's GEMM against
-    the native small-M kernel, where it takes that many rows. Several copies of each weight are
+    the native small-M kernel (timed up to its limit even where the engine hands fewer rows to it,
+    `cpu_native.linear_max_rows`). Several copies of each weight are
     used in turn, so the weights come from memory as in a real step, not from the cache."""
     out: list[Row] = []
     gen = torch.Generator().manual_seed(0)
@@ -331,7 +345,7 @@ def _linear_pair(weights: list[torch.Tensor], rows: int, args: argparse.Namespac
 
     def with_kernel() -> None:
         for w in weights:
-            cpu_native.linear(x, w, residual)
+            cpu_native.linear(x, w, residual, max_rows=cpu_native.LINEAR_MAX_ROWS)
 
     torch_ms = _timed(with_torch, cpu, args.warmup, args.repeats) / len(weights)
     native_ms = _timed(with_kernel, cpu, args.warmup, args.repeats) / len(weights)
@@ -343,6 +357,8 @@ def _linear_pair(weights: list[torch.Tensor], rows: int, args: argparse.Namespac
 def print_table(report: dict[str, object]) -> None:
     print(f"# {report['note']}")
     print(f"# device={report['device']} torch={report['torch']} threads={report['torch_threads']}")
+    if report.get("engine_uses"):
+        print("# the engine on this CPU uses: " + ", ".join(f"{k}={v}" for k, v in report["engine_uses"].items()))  # type: ignore[union-attr]
     header = f"{'op':<22} {'impl':<30} {'shape':<34} {'ms':>9} {'tokens/s':>12} {'vs ref':>7}"
     print(header)
     print("-" * len(header))

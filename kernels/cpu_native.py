@@ -7,9 +7,13 @@ Each C source ships with the package and is compiled on first use with the syste
 keyed by the source, the flags and the CPU's flags, so another CPU builds its own copy. It is
 loaded with ctypes: no Python or torch headers are needed. Where a kernel cannot run (not x86-64
 Linux, a CPU without its instructions, no compiler, a failed build) its entry points return None
-and the caller uses its torch path; the reason is logged once. `RAGCACHE_CPU_KERNELS=0` turns both
-off (A/B runs, tests of the torch path); `=1` makes a missing build an error instead of a silent
-fallback.
+and the caller uses its torch path; the reason is logged once.
+
+Where a kernel runs but torch's own path is measured faster on this kind of CPU (`prefers_native`,
+`linear_max_rows`: prefill attention and GEMMs of 3+ rows on CPUs with AMX, where torch's oneDNN
+kernels compute on AMX tiles), "auto" takes torch's. `RAGCACHE_CPU_KERNELS=0` turns both libraries
+off (A/B runs, tests of the torch path); `=1` uses them wherever they apply and makes a missing
+build an error instead of a silent fallback.
 """
 
 from __future__ import annotations
@@ -66,15 +70,36 @@ def _mode() -> str:
     return "auto"
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def forced() -> bool:
+    """`RAGCACHE_CPU_KERNELS=1`: the native kernels wherever they apply, faster or not."""
+    return _mode() == "on"
+
+
+def prefers_native(dtype: torch.dtype, dense_causal: bool) -> bool:
+    """Whether the native prefill attention is the faster path for `dtype` on this CPU, by what
+    was measured (docs/benchmarks.md, "Native CPU attention"). bf16: yes, except with AMX, where
+    torch's SDPA runs its GEMMs on AMX tiles (1.7x faster on scattered queries, 3x on a dense
+    causal prefill than this AVX512 kernel). fp32: never for a dense causal prefill (PyTorch's
+    flash SDPA is as fast or faster), and for scattered queries only where torch has no AVX-512
+    either (this kernel is AVX2: 1.29x faster on an AVX2-only CPU, 0.77x with AVX-512)."""
+    if forced():
+        return True
+    flags = _cpu_flags()
+    if dtype == torch.bfloat16:
+        return "amx_bf16" not in flags
+    return not dense_causal and "avx512f" not in flags
 
 
 def _build_dir(compiler: str, kernel: NativeKernel) -> Path:
@@ -260,15 +285,29 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
 # The most activation rows the native linear layer takes (a decode step's batch); past that the
 # BLAS GEMM torch calls reads the weights once too.
 LINEAR_MAX_ROWS = 8
+# With AMX, torch's bf16 GEMM is faster from 3 rows on (1.2-1.8x on SmolLM2's decode matrices).
+AMX_LINEAR_MAX_ROWS = 2
+
+
+def linear_max_rows(dtype: torch.dtype) -> int:
+    """The most rows the native linear layer takes for `dtype` on this CPU in "auto"."""
+    if dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags() and not forced():
+        return min(LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS)
+    return LINEAR_MAX_ROWS
 _LINEAR_MULTIPLE = {torch.bfloat16: (32, 16), torch.float32: (8, 8)}  # K, N multiples the kernels take
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor | None:
+def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None,
+           max_rows: int | None = None) -> torch.Tensor | None:
     """x [M, K] @ weight[N, K]^T, plus `add` ([M, N] residual rows, or a [N] bias) where given, for
-    M <= LINEAR_MAX_ROWS, summed in fp32 and rounded once to x's dtype. None where the kernel does
-    not apply (the caller uses torch's GEMM)."""
+    M <= `max_rows` (default `linear_max_rows(x.dtype)`, at most LINEAR_MAX_ROWS), summed in fp32
+    and rounded once to x's dtype. None where the kernel does not apply (the caller uses torch's
+    GEMM)."""
     dtype = x.dtype
-    if dtype not in KERNELS or x.dim() != 2 or weight.dim() != 2 or not 1 <= x.shape[0] <= LINEAR_MAX_ROWS:
+    if dtype not in KERNELS or x.dim() != 2 or weight.dim() != 2:
+        return None
+    limit = linear_max_rows(dtype) if max_rows is None else min(max_rows, LINEAR_MAX_ROWS)
+    if not 1 <= x.shape[0] <= limit:
         return None
     rows, kdim = x.shape
     n = weight.shape[0]

@@ -146,10 +146,7 @@ def selective_attention(
     A query that sees no key returns NaN on the torch path and zeros on the Triton path.
     """
     choice = _requested(backend)
-    # fp32 dense causal: PyTorch's flash SDPA is as fast as the native kernel or faster (a full
-    # prefill on Zen 3 was 9-13% slower with the kernel); bf16's is not (docs/benchmarks.md)
-    native_ok = not (dense_causal and q.dtype == torch.float32)
-    if choice == "auto" and q.device.type == "cpu" and native_ok:
+    if choice == "auto" and q.device.type == "cpu" and _cpu_native.prefers_native(q.dtype, dense_causal):
         out = _native_prefill(q, k, v, query_pos, key_pos, sliding_window)
         if out is not None:
             return out

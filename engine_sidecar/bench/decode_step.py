@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         cpu_native.LINEAR_MAX_ROWS = native_rows
     return {"machine": describe_machine(torch.device("cpu")), "dtype": args.dtype, "context": args.context,
-            "native_max_rows": native_rows, "rows": rows}
+            "native_max_rows": cpu_native.linear_max_rows(runner.dtype), "rows": rows}
 
 
 def table(report: dict[str, Any]) -> str:

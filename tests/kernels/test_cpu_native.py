@@ -19,6 +19,9 @@ from ragcache_kernels import cpu_native, dispatch
 from ragcache_kernels.attention import position_mask, selective_attention
 from tests.conftest import make_tiny_model
 
+NO_AMX = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})
+AMX = NO_AMX | {"amx_bf16", "amx_tile"}
+
 # skipped only where the machine cannot have the kernel; where it can, a broken build fails here
 pytestmark = pytest.mark.skipif(cpu_native.unsupported_reason() is not None,
                                 reason=f"native CPU attention: {cpu_native.unsupported_reason()}")
@@ -90,6 +93,7 @@ def test_a_query_that_sees_no_key_gets_zeros():
 
 
 def test_dispatch_routes_bf16_cpu_attention_to_the_kernel_and_falls_back_where_it_cannot(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: NO_AMX)
     q, k, v, _ = _inputs(40, 90, 4, 2, 64, seed=5)
     key_pos, query_pos = torch.arange(90), torch.arange(50, 90)
     native = cpu_native.prefill_attention(q, k, v, query_pos, key_pos)
@@ -104,6 +108,25 @@ def test_dispatch_routes_bf16_cpu_attention_to_the_kernel_and_falls_back_where_i
     assert torch.equal(dispatch.selective_attention(q, k, v, query_pos, key_pos),
                        selective_attention(q, k, v, query_pos, key_pos))
     assert dispatch.decode_attention(q[:2], [k, k], [v, v]) is None
+
+
+def test_with_amx_bf16_prefill_attention_goes_to_torchs_sdpa(monkeypatch):
+    """With AMX, torch's SDPA computes on AMX tiles and is measured faster than this AVX512 kernel
+    (scattered queries and dense causal alike), so "auto" takes it; decode keeps the kernel;
+    RAGCACHE_CPU_KERNELS=1 takes the kernel anyway."""
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: AMX)
+    q, k, v, _ = _inputs(40, 90, 4, 2, 64, seed=5)
+    key_pos, query_pos = torch.arange(90), torch.arange(50, 90)
+    native = cpu_native.prefill_attention(q, k, v, query_pos, key_pos)
+    torch_out = selective_attention(q, k, v, query_pos, key_pos)
+    assert not torch.equal(native, torch_out)
+    assert torch.equal(dispatch.selective_attention(q, k, v, query_pos, key_pos), torch_out)
+    qd, kd, vd, _ = _inputs(90, 90, 4, 2, 64, seed=6)
+    assert torch.equal(dispatch.selective_attention(qd, kd, vd, key_pos, key_pos, dense_causal=True),
+                       selective_attention(qd, kd, vd, key_pos, key_pos, dense_causal=True))
+    assert dispatch.decode_attention(q[:2].contiguous(), [k, k], [v, v]) is not None
+    monkeypatch.setenv(cpu_native.ENV_VAR, "1")
+    assert torch.equal(dispatch.selective_attention(q, k, v, query_pos, key_pos), native)
 
 
 @pytest.mark.parametrize("lengths", [(1, 17, 600), (1500, 1200, 900, 1600, 1400, 1000, 1300, 1100)])
@@ -183,7 +206,7 @@ def smol_bf16_engine(smol_dir, tmp_path_factory):
     engine.close()
 
 
-def test_real_model_bf16_guards_hold_with_the_kernel(smol_bf16_engine, smol_dir):
+def test_real_model_bf16_guards_hold_with_the_kernel(smol_bf16_engine, smol_dir, monkeypatch):
     """SmolLM2 in bf16 (the kernel's whole path: fused prefill with cached chunks, then decode):
     fusion at ratio 1.0 gives full prefill's logits, and full prefill is as close to fp32
     transformers as transformers' own bf16 forward.
@@ -201,6 +224,7 @@ def test_real_model_bf16_guards_hold_with_the_kernel(smol_bf16_engine, smol_dir)
                ChunkedPrompt(chunks=passages[1::-1], question="How high is Kilimanjaro?"),
                ChunkedPrompt(chunks=passages[::-1], question="Name a country the Danube passes through."),
                ChunkedPrompt(chunks=[passages[2], passages[0]], question="Which rivers are named?")]
+    monkeypatch.setenv(cpu_native.ENV_VAR, "1")  # the kernel's path, on CPUs where "auto" prefers torch's too
     smol_bf16_engine.warm(passages)
     exact_model = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32).eval()
     hf_bf16_model = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.bfloat16).eval()

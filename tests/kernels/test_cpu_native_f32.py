@@ -105,6 +105,7 @@ def test_a_query_that_sees_no_key_gets_zeros():
 
 
 def test_dispatch_routes_fp32_cpu_attention_to_the_kernel_and_falls_back_where_it_cannot(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
     q, k, v, _ = _inputs(40, 90, 4, 2, 64, seed=5)
     key_pos, query_pos = torch.arange(90), torch.arange(50, 90)
     native = cpu_native.prefill_attention(q, k, v, query_pos, key_pos)
@@ -125,6 +126,20 @@ def test_dispatch_routes_fp32_cpu_attention_to_the_kernel_and_falls_back_where_i
     assert torch.equal(dispatch.selective_attention(q, k, v, query_pos, key_pos),
                        selective_attention(q, k, v, query_pos, key_pos))
     assert dispatch.decode_attention(q[:2].contiguous(), [k, k], [v, v]) is None
+
+
+def test_with_avx512_fp32_scattered_queries_go_to_torch(monkeypatch):
+    """This kernel is AVX2: where torch has AVX-512 its SDPA is measured faster on scattered
+    queries too, so "auto" takes it there; RAGCACHE_CPU_KERNELS=1 takes the kernel anyway."""
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    q, k, v, _ = _inputs(40, 90, 4, 2, 64, seed=5)
+    key_pos, query_pos = torch.arange(90), torch.arange(50, 90)
+    torch_out = selective_attention(q, k, v, query_pos, key_pos)
+    assert torch.equal(dispatch.selective_attention(q, k, v, query_pos, key_pos), torch_out)
+    monkeypatch.setenv(cpu_native.ENV_VAR, "1")
+    native = cpu_native.prefill_attention(q, k, v, query_pos, key_pos)
+    assert not torch.equal(native, torch_out)
+    assert torch.equal(dispatch.selective_attention(q, k, v, query_pos, key_pos), native)
 
 
 @pytest.mark.parametrize("lengths", [(1, 7, 17, 600), (1500, 1200, 900, 1600, 1400, 1000, 1300, 1100)])
@@ -198,7 +213,7 @@ def smol_fp32_engine(smol_dir, tmp_path_factory):
     engine.close()
 
 
-def test_real_model_fp32_guards_hold_with_the_kernel(smol_fp32_engine, smol_dir):
+def test_real_model_fp32_guards_hold_with_the_kernel(smol_fp32_engine, smol_dir, monkeypatch):
     """SmolLM2 in fp32 through the kernel (fused prefill with cached chunks, batched decode):
     fusion at ratio 1.0 gives full prefill's logits, full prefill gives transformers' within fp32
     noise and the same answer, greedy, token for token."""
@@ -207,6 +222,7 @@ def test_real_model_fp32_guards_hold_with_the_kernel(smol_fp32_engine, smol_dir)
     from ragcache_integrations import ChunkedPrompt
 
     assert cpu_native.available(torch.float32)
+    monkeypatch.setenv(cpu_native.ENV_VAR, "1")  # the kernel's path, on CPUs where "auto" prefers torch's
     passages = ["The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean. " * 4,
                 "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres. " * 4]
     prompt = ChunkedPrompt(chunks=passages, question="Which river reaches the Atlantic?")

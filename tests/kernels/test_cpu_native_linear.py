@@ -36,7 +36,7 @@ def _assert_as_close_as_torch(got: torch.Tensor, torch_result: torch.Tensor, exa
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
 def test_linear_with_a_residual_matches_the_exact_result(dtype, rows) -> None:
     x, w, add = _data(rows, 96, 576, dtype)
-    got = cpu_native.linear(x, w, add)
+    got = cpu_native.linear(x, w, add, max_rows=cpu_native.LINEAR_MAX_ROWS)
     assert got is not None
     exact = x.double() @ w.double().t() + add.double()
     _assert_as_close_as_torch(got, torch.addmm(add, x, w.t()), exact)
@@ -44,7 +44,7 @@ def test_linear_with_a_residual_matches_the_exact_result(dtype, rows) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_with_a_bias_and_with_nothing_added(dtype) -> None:
-    x, w, _ = _data(3, 64, 128, dtype, seed=1)
+    x, w, _ = _data(2, 64, 128, dtype, seed=1)
     bias = torch.randn(64, generator=torch.Generator().manual_seed(2)).to(dtype)
     with_bias = cpu_native.linear(x, w, bias)
     plain = cpu_native.linear(x, w)
@@ -72,6 +72,7 @@ def test_shapes_the_kernel_refuses(dtype) -> None:
     x, w, add = _data(2, 64, 128, dtype)
     too_many = torch.randn(cpu_native.LINEAR_MAX_ROWS + 1, 128).to(dtype)
     assert cpu_native.linear(too_many, w) is None
+    assert cpu_native.linear(too_many, w, max_rows=too_many.shape[0]) is None  # past what the kernel takes
     assert cpu_native.linear(x[:, :100], w[:, :100].contiguous()) is None  # K not a multiple of the vector
     assert cpu_native.linear(x, w[:60]) is None  # N not a multiple of the block
     assert cpu_native.linear(x, w.t().contiguous().t()) is None  # weight rows not contiguous
@@ -93,3 +94,24 @@ def test_dispatch_uses_the_kernel_and_falls_back_to_torch(dtype, monkeypatch) ->
     assert torch.equal(both, torch.addmm(add, x, w.t()).add_(bias))
     many = torch.randn(40, 128).to(dtype)
     assert torch.equal(dispatch.linear(many, w, bias), torch.nn.functional.linear(many, w, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_with_amx_torchs_gemm_takes_three_rows_and_more_of_bf16(dtype, monkeypatch) -> None:
+    """On CPUs with AMX torch's bf16 GEMM runs on AMX tiles and is faster from 3 rows on, so
+    "auto" hands the kernel at most 2 rows there; fp32 and CPUs without AMX keep 8;
+    RAGCACHE_CPU_KERNELS=1 keeps 8 everywhere."""
+    x, w, add = _data(4, 64, 128, dtype, seed=6)
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}))
+    amx_rows = 2 if dtype == torch.bfloat16 else cpu_native.LINEAR_MAX_ROWS
+    assert cpu_native.linear_max_rows(dtype) == amx_rows
+    assert (cpu_native.linear(x, w, add) is None) == (dtype == torch.bfloat16)
+    if dtype == torch.bfloat16:
+        assert torch.equal(dispatch.linear(x, w, residual=add), torch.addmm(add, x, w.t()))
+    assert cpu_native.linear(x[:2], w, add[:2]) is not None
+    monkeypatch.setenv(cpu_native.ENV_VAR, "1")
+    assert cpu_native.linear_max_rows(dtype) == cpu_native.LINEAR_MAX_ROWS
+    monkeypatch.delenv(cpu_native.ENV_VAR)
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    assert cpu_native.linear_max_rows(dtype) == cpu_native.LINEAR_MAX_ROWS
+    assert cpu_native.linear(x, w, add) is not None
