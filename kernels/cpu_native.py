@@ -294,6 +294,8 @@ def linear_max_rows(dtype: torch.dtype) -> int:
     if dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags() and not forced():
         return min(LINEAR_MAX_ROWS, AMX_LINEAR_MAX_ROWS)
     return LINEAR_MAX_ROWS
+
+
 _LINEAR_MULTIPLE = {torch.bfloat16: (32, 16), torch.float32: (8, 8)}  # K, N multiples the kernels take
 
 
