@@ -10,10 +10,10 @@ Linux, a CPU without its instructions, no compiler, a failed build) its entry po
 and the caller uses its torch path; the reason is logged once.
 
 Where a kernel runs but torch's own path is measured faster on this kind of CPU (`prefers_native`,
-`linear_max_rows`: prefill attention and GEMMs of 3+ rows on CPUs with AMX, where torch's oneDNN
-kernels compute on AMX tiles), "auto" takes torch's. `RAGCACHE_CPU_KERNELS=0` turns both libraries
-off (A/B runs, tests of the torch path); `=1` uses them wherever they apply and makes a missing
-build an error instead of a silent fallback.
+`linear_max_rows`: prefill attention and bf16 GEMMs of 3+ rows on CPUs with AMX, where torch's
+oneDNN kernels compute on AMX tiles or full-width AVX-512), "auto" takes torch's.
+`RAGCACHE_CPU_KERNELS=0` turns both libraries off (A/B runs, tests of the torch path); `=1` uses
+them wherever they apply and makes a missing build an error instead of a silent fallback.
 """
 
 from __future__ import annotations
@@ -92,14 +92,15 @@ def prefers_native(dtype: torch.dtype, dense_causal: bool) -> bool:
     was measured (docs/benchmarks.md, "Native CPU attention"). bf16: yes, except with AMX, where
     torch's SDPA runs its GEMMs on AMX tiles (1.7x faster on scattered queries, 3x on a dense
     causal prefill than this AVX512 kernel). fp32: never for a dense causal prefill (PyTorch's
-    flash SDPA is as fast or faster), and for scattered queries only where torch has no AVX-512
-    either (this kernel is AVX2: 1.29x faster on an AVX2-only CPU, 0.77x with AVX-512)."""
+    flash SDPA is as fast or faster), and for scattered queries except on those CPUs too (this
+    kernel is AVX2: 1.29x faster than torch on an AVX2-only Zen 3, 0.77x on the AMX Xeon, whose
+    AVX-512 units are full width; Zen 4's half-width AVX-512 is not measured, so it keeps the
+    kernel)."""
     if forced():
         return True
-    flags = _cpu_flags()
-    if dtype == torch.bfloat16:
-        return "amx_bf16" not in flags
-    return not dense_causal and "avx512f" not in flags
+    if "amx_bf16" in _cpu_flags():
+        return False
+    return dtype == torch.bfloat16 or not dense_causal
 
 
 def _build_dir(compiler: str, kernel: NativeKernel) -> Path:

@@ -105,7 +105,7 @@ def test_a_query_that_sees_no_key_gets_zeros():
 
 
 def test_dispatch_routes_fp32_cpu_attention_to_the_kernel_and_falls_back_where_it_cannot(monkeypatch):
-    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
     q, k, v, _ = _inputs(40, 90, 4, 2, 64, seed=5)
     key_pos, query_pos = torch.arange(90), torch.arange(50, 90)
     native = cpu_native.prefill_attention(q, k, v, query_pos, key_pos)
@@ -128,10 +128,10 @@ def test_dispatch_routes_fp32_cpu_attention_to_the_kernel_and_falls_back_where_i
     assert dispatch.decode_attention(q[:2].contiguous(), [k, k], [v, v]) is None
 
 
-def test_with_avx512_fp32_scattered_queries_go_to_torch(monkeypatch):
-    """This kernel is AVX2: where torch has AVX-512 its SDPA is measured faster on scattered
-    queries too, so "auto" takes it there; RAGCACHE_CPU_KERNELS=1 takes the kernel anyway."""
-    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+def test_on_amx_cpus_fp32_scattered_queries_go_to_torch(monkeypatch):
+    """This kernel is AVX2: on the AMX Xeon torch's full-width AVX-512 SDPA is measured faster on
+    scattered queries too, so "auto" takes it there; RAGCACHE_CPU_KERNELS=1 takes the kernel anyway."""
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "amx_bf16"}))
     q, k, v, _ = _inputs(40, 90, 4, 2, 64, seed=5)
     key_pos, query_pos = torch.arange(90), torch.arange(50, 90)
     torch_out = selective_attention(q, k, v, query_pos, key_pos)
