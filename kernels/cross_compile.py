@@ -111,7 +111,7 @@ def compiling_for(target: Target, record: Callable[[Any, Any], None]) -> Iterato
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from ragcache_kernels import triton_attention, triton_decode, triton_kv, triton_rope
+    from ragcache_kernels import triton_attention, triton_decode, triton_kv, triton_mlp, triton_rope
 
     launch = JITFunction.run
 
@@ -121,7 +121,7 @@ def compiling_for(target: Target, record: Callable[[Any, Any], None]) -> Iterato
         return kernel
 
     with contextlib.ExitStack() as stack:
-        for module in (triton_attention, triton_decode, triton_kv, triton_rope):
+        for module in (triton_attention, triton_decode, triton_kv, triton_mlp, triton_rope):
             stack.enter_context(mock.patch.object(module, "check_device", lambda *tensors: None))
         for module in (triton_attention, triton_decode):
             stack.enter_context(mock.patch.object(module, "multiprocessors", lambda device: target.multiprocessors))
@@ -135,7 +135,7 @@ def compiling_for(target: Target, record: Callable[[Any, Any], None]) -> Iterato
 # --- the engine's launches -------------------------------------------------------------------------
 def engine_launches(heads: tuple[int, int, int], dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
     """Label -> a call of a kernel launcher as the engine makes it, on empty tensors."""
-    from ragcache_kernels import triton_attention, triton_decode, triton_kv, triton_rope
+    from ragcache_kernels import triton_attention, triton_decode, triton_kv, triton_mlp, triton_rope
 
     h, hkv, d = heads
     n = PROMPT_TOKENS
@@ -148,7 +148,8 @@ def engine_launches(heads: tuple[int, int, int], dtype: torch.dtype) -> dict[str
 
     def attend(rows: int, **options: Any) -> Callable[[], Any]:
         index = torch.linspace(0, n - 1, rows).long()
-        return lambda: triton_attention.selective_attention(empty(rows, h, d), keys, values, index, positions,
+        # keys at their index (key_pos None), as the fused prefill passes them
+        return lambda: triton_attention.selective_attention(empty(rows, h, d), keys, values, index, None,
                                                              **options)
 
     def decode(batch: int) -> Callable[[], Any]:
@@ -174,6 +175,12 @@ def engine_launches(heads: tuple[int, int, int], dtype: torch.dtype) -> dict[str
         "scatter rows": lambda: triton_kv.scatter_rows(empty(n, hkv, d), torch.arange(FUSED_ROWS),
                                                        empty(FUSED_ROWS, hkv, d)),
         "rotate keys": lambda: triton_rope.rotate_keys(keys, positions, torch.ones(d // 2), out=empty(n, hkv, d)),
+        "rotate every layer's keys": lambda: triton_rope.rotate_keys(empty(4, n, hkv, d), positions, torch.ones(d // 2),
+                                                                    out=empty(4, n, hkv, d)),
+        "swiglu activation": lambda: triton_mlp.silu_mul(empty(64, 2 * 4 * h * d)),
+        "rope and store a layer's rows": lambda: triton_rope.rope_and_store(
+            empty(64, (h + 2 * hkv) * d), h, hkv, torch.arange(64), torch.ones(d // 2), empty(n, hkv, d),
+            empty(n, hkv, d), empty(n, hkv, d)),
     }
     for batch in DECODE_BATCHES:
         calls[f"decode, batch {batch}"] = decode(batch)
@@ -195,7 +202,7 @@ def run_request_stream(heads: tuple[int, int, int], dtype: torch.dtype) -> None:
         keys = empty(n, hkv, d)
         for rows in (1, 7, 16, 33, 64, n):
             index = torch.linspace(0, n - 1, rows).long()
-            triton_attention.selective_attention(empty(rows, h, d), keys, keys, index, torch.arange(n))
+            triton_attention.selective_attention(empty(rows, h, d), keys, keys, index, None)
             triton_kv.scatter_rows(empty(n, hkv, d), index, empty(rows, hkv, d))
             triton_kv.kv_deviation(empty(rows, hkv, d), keys, index)
         triton_rope.rotate_keys(keys, torch.arange(n), torch.ones(d // 2), out=empty(n, hkv, d))

@@ -103,6 +103,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out.add_(bias)
 
 
+def rope_and_store(joint: torch.Tensor, num_heads: int, num_kv_heads: int, rows: torch.Tensor,
+                   inv_freq: torch.Tensor, keys_pre: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel that stores a layer's k/v rows and rotates q and k in one launch
+    (`triton_rope.rope_and_store`); callers check `resolve_backend(...) == "triton"` first."""
+    from ragcache_kernels import triton_rope
+
+    return triton_rope.rope_and_store(joint, num_heads, num_kv_heads, rows, inv_freq, keys_pre, keys, values)
+
+
+def silu_mul(gate_up: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """SwiGLU's activation from the fused gate/up projection [M, 2I] -> [M, I]: one Triton launch on
+    CUDA; torch's in-place silu and product elsewhere (in place on `gate_up`'s gate half)."""
+    if resolve_backend(gate_up.device, backend) == "triton":
+        from ragcache_kernels import triton_mlp
+
+        return triton_mlp.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)
+
+
 def rotate_keys(
     keys_pre: torch.Tensor,
     positions: torch.Tensor,
@@ -135,7 +156,7 @@ def selective_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     query_pos: torch.Tensor,
-    key_pos: torch.Tensor,
+    key_pos: torch.Tensor | None,
     sliding_window: int | None = None,
     dense_causal: bool = False,
     backend: str | None = None,
@@ -143,9 +164,16 @@ def selective_attention(
     """Attention of queries at arbitrary positions over all keys with key_pos <= query_pos.
 
     Same contract as attention.selective_attention (q [Tq, H, D], k/v [Tk, Hkv, D] -> [Tq, H, D]).
-    A query that sees no key returns NaN on the torch path and zeros on the Triton path.
+    `key_pos` None: key i is at position i, which the Triton kernel turns into loops without
+    branches. A query that sees no key returns NaN on the torch path and zeros on the Triton path.
     """
     choice = _requested(backend)
+    if key_pos is None and resolve_backend(q.device, choice) == "triton" and not dense_causal:
+        from ragcache_kernels import triton_attention
+
+        return triton_attention.selective_attention(q, k, v, query_pos, None, sliding_window)[0]
+    if key_pos is None:
+        key_pos = torch.arange(k.shape[0], device=k.device)
     if choice == "auto" and q.device.type == "cpu" and _cpu_native.prefers_native(q.dtype, dense_causal):
         out = _native_prefill(q, k, v, query_pos, key_pos, sliding_window)
         if out is not None:

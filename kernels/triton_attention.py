@@ -60,6 +60,52 @@ def _store_queries(OUT, MASS, PART_ACC, PART_ML, acc, seg_acc, m_i, l_i, offs_m,
             tl.store(mass_ptrs, seg_acc / l_safe[:, None], mask=m_ok[:, None])
 
 
+@triton.jit
+def _attend_block(acc, seg_acc, m_i, l_i, q, qpos, K, V, KPOS, SEG, start, key_hi, kv_head, qk_scale, window,
+                  stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols, BLOCK_N: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, WITH_MASS: tl.constexpr, DOT_FP32: tl.constexpr,
+                  PRECISION: tl.constexpr, KEYS_AT_INDEX: tl.constexpr, MASKED: tl.constexpr):
+    """One key block folded into a query block's online softmax. Unmasked (MASKED false) only where
+    every key of the block is in range and visible to every query of the block."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < key_hi
+    k_ptrs = K + offs_n.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        if KEYS_AT_INDEX:
+            kpos = offs_n
+        else:
+            kpos = tl.load(KPOS + offs_n, mask=n_ok, other=0)
+        visible = (kpos[None, :] <= qpos[:, None]) & n_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (kpos[None, :] > qpos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
+    # exp2(-inf - -inf) = NaN out of alpha and p.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
+    v_ptrs = V + offs_n.to(tl.int64)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    if WITH_MASS:
+        seg = tl.load(SEG + offs_n, mask=n_ok, other=-1)
+        one_hot = (seg[:, None] == seg_cols[None, :]).to(tl.float32)
+        # Mass is a statistic people threshold on: keep it in exact fp32, not tf32.
+        seg_acc = seg_acc * alpha[:, None] + tl.dot(p, one_hot, input_precision="ieee")
+    return acc, seg_acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=SIZES_OF_ATTENTION)
 def _selective_attention_kernel(
     Q, K, V, OUT, QPOS, KPOS, SEG, MASS, PART_ACC, PART_ML, num_queries, num_keys, keys_per_split, qk_scale,
@@ -67,7 +113,7 @@ def _selective_attention_kernel(
     stride_mt, stride_mh, stride_ps, stride_pt, stride_ms, stride_mtq, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr, WITH_MASS: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KEYS_AT_INDEX: tl.constexpr
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -96,47 +142,44 @@ def _selective_attention_kernel(
     seg_acc = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
     seg_cols = tl.arange(0, BLOCK_S)
 
-    for start in range(key_lo, key_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < key_hi
-        kpos = tl.load(KPOS + offs_n, mask=n_ok, other=0)
-        k_lo = tl.min(tl.where(n_ok, kpos, _FAR), axis=0)
-        useful = k_lo <= q_hi
+    if KEYS_AT_INDEX:
+        # Key i sits at position i, so what the block may see is a range of key blocks known before
+        # the loop: the loops carry no branch and Triton pipelines their loads. Key blocks wholly
+        # before the block's first query are visible to every query of it and skip the mask.
+        qpos = qpos.to(tl.int32)
+        q_lo = q_lo.to(tl.int32)
+        loop_hi = tl.minimum(key_hi, q_hi.to(tl.int32) + 1)
+        loop_lo = key_lo
         if HAS_WINDOW:
-            k_hi = tl.max(tl.where(n_ok, kpos, -_FAR), axis=0)
-            useful = useful & (k_hi > q_lo - window)
-        if useful:
-            k_ptrs = K + offs_n.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-
-            visible = (kpos[None, :] <= qpos[:, None]) & n_ok[None, :]
+            loop_lo = tl.maximum(key_lo, ((q_lo - window + 1) // BLOCK_N) * BLOCK_N)
+            open_hi = loop_lo
+        else:
+            open_hi = tl.maximum(loop_lo, tl.minimum(loop_hi, (q_lo // BLOCK_N) * BLOCK_N))
+        for start in range(loop_lo, open_hi, BLOCK_N):
+            acc, seg_acc, m_i, l_i = _attend_block(
+                acc, seg_acc, m_i, l_i, q, qpos, K, V, KPOS, SEG, start, key_hi, kv_head, qk_scale, window,
+                stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols, BLOCK_N, HAS_WINDOW,
+                WITH_MASS, DOT_FP32, PRECISION, True, False)
+        for start in range(open_hi, loop_hi, BLOCK_N):
+            acc, seg_acc, m_i, l_i = _attend_block(
+                acc, seg_acc, m_i, l_i, q, qpos, K, V, KPOS, SEG, start, key_hi, kv_head, qk_scale, window,
+                stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols, BLOCK_N, HAS_WINDOW,
+                WITH_MASS, DOT_FP32, PRECISION, True, True)
+    else:
+        for start in range(key_lo, key_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < key_hi
+            kpos = tl.load(KPOS + offs_n, mask=n_ok, other=0)
+            k_lo = tl.min(tl.where(n_ok, kpos, _FAR), axis=0)
+            useful = k_lo <= q_hi
             if HAS_WINDOW:
-                visible = visible & (kpos[None, :] > qpos[:, None] - window)
-            scores = tl.where(visible, scores, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
-            # exp2(-inf - -inf) = NaN out of alpha and p.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-
-            v_ptrs = V + offs_n.to(tl.int64)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            if WITH_MASS:
-                seg = tl.load(SEG + offs_n, mask=n_ok, other=-1)
-                one_hot = (seg[:, None] == seg_cols[None, :]).to(tl.float32)
-                # Mass is a statistic people threshold on: keep it in exact fp32, not tf32.
-                seg_acc = seg_acc * alpha[:, None] + tl.dot(p, one_hot, input_precision="ieee")
-            m_i = m_new
+                k_hi = tl.max(tl.where(n_ok, kpos, -_FAR), axis=0)
+                useful = useful & (k_hi > q_lo - window)
+            if useful:
+                acc, seg_acc, m_i, l_i = _attend_block(
+                    acc, seg_acc, m_i, l_i, q, qpos, K, V, KPOS, SEG, start, key_hi, kv_head, qk_scale, window,
+                    stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols, BLOCK_N, HAS_WINDOW,
+                    WITH_MASS, DOT_FP32, PRECISION, False, True)
 
     _store_queries(OUT, MASS, PART_ACC, PART_ML, acc, seg_acc, m_i, l_i, offs_m, offs_d, seg_cols, m_ok, d_ok, head,
                    split, stride_ot, stride_oh, stride_mt, stride_mh, stride_ps, stride_pt, stride_ms, stride_mtq,
@@ -266,7 +309,7 @@ def selective_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     query_pos: torch.Tensor,
-    key_pos: torch.Tensor,
+    key_pos: torch.Tensor | None,
     sliding_window: int | None = None,
     scale: float | None = None,
     segment_ids: torch.Tensor | None = None,
@@ -278,6 +321,9 @@ def selective_attention(
     num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [Tq, H, D], k/v [Tk, Hkv, D] -> (out [Tq, H, D], mass [Tq, num_segments] fp32 or None).
+
+    `key_pos` None: key i is at position i (the fused prefill's layout). The kernel then knows
+    before its loop which key blocks each query block may see, and runs a loop without branches.
 
     Mass is returned when `segment_ids` ([Tk] ints; ids outside [0, num_segments) belong to no
     segment) is given. Inputs may be fp32, fp16 or bf16; scores, softmax and accumulation are fp32.
@@ -314,11 +360,17 @@ def selective_attention(
     else:
         part_acc = part_ml = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
     grid = (query_blocks, heads, splits)
+    if num_stages is None and q.dtype == torch.float32:
+        # fp32 dots hold their operands in registers: pipelined over stages, they spill at head
+        # dim 128 (cross_compile reports it); fp32 is the reference dtype on a GPU, not its speed
+        num_stages = 1
     launch = {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages))
               if value is not None}
+    query_pos = query_pos.to(device=q.device, dtype=torch.int64).contiguous()
+    keys_at_index = key_pos is None
+    key_pos = query_pos if key_pos is None else key_pos.to(device=q.device, dtype=torch.int64).contiguous()
     _selective_attention_kernel[grid](
-        q, k, v, out, query_pos.to(device=q.device, dtype=torch.int64).contiguous(),
-        key_pos.to(device=q.device, dtype=torch.int64).contiguous(), seg, mass_heads, part_acc, part_ml,
+        q, k, v, out, query_pos, key_pos, seg, mass_heads, part_acc, part_ml,
         num_queries, num_keys, keys_per_split, scale * LOG2E, int(sliding_window or 0), q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         mass_heads.stride(0), mass_heads.stride(1), part_acc.stride(0), part_acc.stride(1),
@@ -327,7 +379,7 @@ def selective_attention(
         BLOCK_S=block_s, HAS_WINDOW=sliding_window is not None, WITH_MASS=with_mass, SPLIT=splits > 1,
         DOT_FP32=dot_in_fp32(q.dtype),
         # fp32 inputs would otherwise run tf32 dots on GPU (10-bit mantissa) and miss the reference.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **launch
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KEYS_AT_INDEX=keys_at_index, **launch
     )
     if splits > 1:
         merge_splits_kernel[(num_queries, heads)](

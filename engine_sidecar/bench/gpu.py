@@ -43,7 +43,14 @@ from typing import Any
 
 import torch
 
-from engine_sidecar.bench.gpu_counts import host_syncs, launches, sync
+from engine_sidecar.bench.gpu_counts import (
+    host_sync_sites,
+    host_syncs,
+    launches,
+    profile_tables,
+    site_counts,
+    sync,
+)
 from engine_sidecar.bench.gpu_decode import decode_section, graph_decode_guard
 from engine_sidecar.bench.gpu_http import http_section
 from engine_sidecar.bench.gpu_models import (
@@ -59,12 +66,16 @@ from engine_sidecar.bench.gpu_models import (
 )
 from engine_sidecar.bench.gpu_tiles import tile_lines, tile_sweep
 
+SECTIONS = ("kernels", "guards", "ttft", "decode", "http", "tiles")  # gpu_args.SECTION_NAMES
 POLICIES = ("full", "reuse", "cacheblend:0.15", "cacheblend", "epic:16", "cachecraft:1")
 
 
 # --- the machine -----------------------------------------------------------------------------------
 def describe_machine(device: torch.device) -> dict[str, Any]:
-    info: dict[str, Any] = {"device": device.type, "torch": torch.__version__, "python": platform.python_version()}
+    # the kernel's release names the machine's runtime too (gVisor reports 4.4.0): a launch's host
+    # cost differs between runtimes
+    info: dict[str, Any] = {"device": device.type, "torch": torch.__version__, "python": platform.python_version(),
+                            "kernel": platform.release()}
     try:
         import triton
 
@@ -302,7 +313,8 @@ def tier_round_trip(device: torch.device, dtype: torch.dtype, work: Path) -> dic
     store.put(key(1), first)
     store.put(key(2), entry(2))  # device memory holds one entry: the first moves to the host tier
     found: list[ChunkKV | None] = []
-    syncs = host_syncs(lambda: found.append(store.get(key(1)))) if device.type == "cuda" else 0
+    sites = host_sync_sites(lambda: found.append(store.get(key(1)))) if device.type == "cuda" else []
+    syncs = len(sites)
     if device.type != "cuda":
         found.append(store.get(key(1)))
     back = found[0]
@@ -311,6 +323,7 @@ def tier_round_trip(device: torch.device, dtype: torch.dtype, work: Path) -> dic
     on_disk = store.disk.get(key(1).digest)
     stats = store.stats()
     out = {"host_hits": stats.hits_host, "host_demotions": stats.host_demotions, "host_read_syncs": syncs,
+           "host_read_sync_sites": site_counts(sites),
            "host_round_trip_equal": back is not None and back.keys.device.type == device.type
            and torch.equal(back.keys.cpu(), expected[0]) and torch.equal(back.values.cpu(), expected[1]),
            "disk_copy_equal": on_disk is not None and torch.equal(on_disk.keys.cpu(), expected[0])
@@ -321,6 +334,22 @@ def tier_round_trip(device: torch.device, dtype: torch.dtype, work: Path) -> dic
 
 
 HOST_TIER_ROW = "reuse (host tier)"
+
+
+def profile_policies(engine, stored: list[str], device: torch.device, args: argparse.Namespace, shape: str) -> None:
+    """torch.profiler's tables for each policy of `--profile`, one request each, into
+    profile-SHAPE.txt beside the JSON."""
+    from ragcache_integrations.types import ChunkedPrompt
+
+    wanted = [p.strip() for p in getattr(args, "profile", "").split(",") if p.strip()]
+    if not wanted:
+        return
+    parts = []
+    for i, policy in enumerate(wanted):
+        prompt = ChunkedPrompt(chunks=stored[i:] + stored[:i], question=f"{QUESTION} (profiled {i})")
+        table = profile_tables(device, lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))
+        parts.append(f"=== {policy}, {shape} shape\n{table}")
+    (args.out / f"profile-{shape}.txt").write_text("\n\n".join(parts) + "\n")
 
 
 def reuse_from_host_tier(engine, stored: list[str], device: torch.device, repeats: int) -> dict[str, Any]:
@@ -374,8 +403,10 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
                             "chunk_hits": stats.chunk_hits,
                             "launches": launches(device, lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))}
             if device.type == "cuda":
-                rows[policy]["host_syncs"] = host_syncs(lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))
+                sites = host_sync_sites(lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))
+                rows[policy].update(host_syncs=len(sites), host_sync_sites=site_counts(sites))
         rows[HOST_TIER_ROW] = reuse_from_host_tier(engine, stored, device, args.repeats)
+        profile_policies(engine, stored, device, args, name)
     finally:
         engine.close()
         if device.type == "cuda":
@@ -415,21 +446,25 @@ def run_gpu_bench(args: argparse.Namespace) -> dict[str, Any]:
         write(args.out, report)
         return report[key]
 
+    wanted = set(getattr(args, "sections", SECTIONS))
     with tempfile.TemporaryDirectory(prefix="ragcache-bench-gpu-") as tmp:
         work = Path(tmp)
         peaks = section("peaks", lambda: measure_peaks(device, dtype, args.quick))
-        section("kernels", lambda: kernels_section(device, args.quick))
-        section("guards", lambda: guards_section(device, dtype, tokenizer_dir, work, args.data))
-        for name in shapes:
+        if "kernels" in wanted:
+            section("kernels", lambda: kernels_section(device, args.quick))
+        if "guards" in wanted:
+            section("guards", lambda: guards_section(device, dtype, tokenizer_dir, work, args.data))
+        for name in shapes if "ttft" in wanted else ():
             section(f"ttft_{name}", lambda n=name: ttft_section(n, device, dtype, tokenizer_dir, work, args, peaks))
-        section(f"decode_{shapes[-1]}", lambda: decode_section(shapes[-1], device, dtype, tokenizer_dir, work, args,
-                                                               peaks))
-        if device.type == "cuda":
-            section(f"decode_{shapes[-1]}_graphs", lambda: decode_section(shapes[-1], device, dtype, tokenizer_dir,
-                                                                          work, args, peaks, graphs=True))
-        if args.http_clients:
+        if "decode" in wanted:
+            section(f"decode_{shapes[-1]}", lambda: decode_section(shapes[-1], device, dtype, tokenizer_dir, work,
+                                                                   args, peaks, graphs=False))
+            if device.type == "cuda":
+                section(f"decode_{shapes[-1]}_graphs", lambda: decode_section(shapes[-1], device, dtype, tokenizer_dir,
+                                                                              work, args, peaks, graphs=True))
+        if args.http_clients and "http" in wanted:
             section(f"http_{shapes[-1]}", lambda: http_section(shapes[-1], device, dtype, tokenizer_dir, work, args))
-        if device.type == "cuda":
+        if device.type == "cuda" and "tiles" in wanted:
             # last: each tile compiles twice (with and without split keys), the run's longest wait
             section("tiles", lambda: tile_sweep(device, args.quick, timed))
     write(args.out, report)
@@ -458,7 +493,9 @@ def _tiers_line(tiers: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
     where = m.get("name", m["device"]) + (f" ({', '.join(m['cpu_flags'])})" if m.get("cpu_flags") else "")
-    lines = [f"`ragcache bench gpu` on {where}, torch {m['torch']}, Triton {m.get('triton')}, {report['dtype']}", ""]
+    kernel = f", Linux {m['kernel']}" if m.get("kernel") else ""
+    lines = [f"`ragcache bench gpu` on {where}, torch {m['torch']}, Triton {m.get('triton')}, {report['dtype']}{kernel}",
+             ""]
     peaks = report.get("peaks", {})
     if "bandwidth_gb_s" in peaks:
         lines += [f"Measured peaks: copy bandwidth {peaks['bandwidth_gb_s']} GB/s, matmul "

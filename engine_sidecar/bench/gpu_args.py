@@ -8,6 +8,7 @@ from pathlib import Path
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
 
 SHAPE_NAMES = ("tiny", "small", "1b", "8b")  # engine_sidecar.bench.gpu.SHAPES
+SECTION_NAMES = ("kernels", "guards", "ttft", "decode", "http", "tiles")
 
 
 def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,11 @@ def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
                                                                 "(default: the prepared default model's)")
     p.add_argument("--data", type=Path, default=None, help="QA set whose passages fill the prompts "
                                                            "(default ../shared/data/musique_s.json, else the bundled sample)")
+    p.add_argument("--sections", default=",".join(SECTION_NAMES),
+                   help=f"comma list of sections to run, from {', '.join(SECTION_NAMES)} (default all; the "
+                        "peaks are always measured)")
+    p.add_argument("--profile", default="", help="comma list of policies to profile once per shape (torch.profiler "
+                                                 "tables in profile-SHAPE.txt beside the JSON); default none")
     p.add_argument("--out", type=Path, default=Path("bench-results/gpu"), help="folder for bench-gpu.json and .md")
 
 
@@ -53,6 +59,10 @@ def finish_arguments(args: argparse.Namespace) -> argparse.Namespace:
     unknown = [s for s in args.shapes if s not in SHAPE_NAMES]
     if unknown or not args.shapes:
         raise ValueError(f"--shapes: unknown {', '.join(unknown) or '(none given)'}; use {', '.join(SHAPE_NAMES)}")
+    args.sections = [s.strip() for s in str(args.sections).split(",") if s.strip()]
+    unknown = [s for s in args.sections if s not in SECTION_NAMES]
+    if unknown or not args.sections:
+        raise ValueError(f"--sections: unknown {', '.join(unknown) or '(none given)'}; use {', '.join(SECTION_NAMES)}")
     args.concurrency = _whole_numbers("--concurrency", args.concurrency or ("1,2" if quick else "1,8,32"))
     clients = _whole_numbers("--http-clients", args.http_clients or ("1,2" if quick else "1,8"))
     args.http_clients = [] if clients == [0] else clients

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,14 +23,44 @@ def sync(device: torch.device) -> None:
 
 def host_syncs(fn: Callable[[], Any]) -> int:
     """How many times `fn` made the host wait for the GPU (CUDA's sync debug mode warns on each)."""
-    with warnings.catch_warnings(record=True) as caught:
+    return len(host_sync_sites(fn))
+
+
+def host_sync_sites(fn: Callable[[], Any],
+                    debug_mode: Callable[[str], None] = torch.cuda.set_sync_debug_mode) -> list[str]:
+    """Each time `fn` made its thread wait for the GPU, the Python line that asked (file:line, from
+    the warning CUDA's sync debug mode raises there). The mode is process-wide: waits on other
+    threads meanwhile (the disk tier's writers waiting for their host copies) are not counted."""
+    caller = threading.get_ident()
+    sites: list[str] = []
+
+    def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if threading.get_ident() == caller and "synchroniz" in str(message):
+            sites.append(f"{_short_path(filename)}:{lineno}")
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        warnings.showwarning = record
+        debug_mode("warn")
         try:
             fn()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+            debug_mode("default")
+    return sites
+
+
+def site_counts(sites: list[str]) -> dict[str, int]:
+    """file:line -> how many times, in order of first appearance."""
+    return dict(Counter(sites))
+
+
+def _short_path(filename: str) -> str:
+    """A source path from the package's folder on (engine_sidecar/..., kernels/...), else as given."""
+    parts = filename.replace(os.sep, "/").split("/")
+    for anchor in ("engine_sidecar", "ragcache_integrations", "kernels", "ragcache_kernels", "torch"):
+        if anchor in parts:
+            return "/".join(parts[parts.index(anchor):])
+    return filename
 
 
 class _OpCounter(TorchDispatchMode):
@@ -73,3 +105,45 @@ def launches(device: torch.device, fn: Callable[[], Any]) -> int:
         fn()
         sync(device)
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def profile_tables(device: torch.device, fn: Callable[[], Any], rows: int = 25) -> str:
+    """Where one call of `fn` spends its time: torch.profiler's operators by total device time
+    (on CUDA) and by host self time, as text tables (after one call outside the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with _stderr_silenced(), profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    averages = prof.key_averages()
+    parts = []
+    if device.type == "cuda":
+        parts.append(averages.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+    parts.append(averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+    parts.append(python_profile(device, fn, rows))
+    return "\n".join(parts)
+
+
+def python_profile(device: torch.device, fn: Callable[[], Any], rows: int = 25, calls: int = 5) -> str:
+    """cProfile of `calls` calls of `fn` (the host's Python time, which bounds a request whose
+    kernels are small), by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    text.write(f"cProfile, {calls} calls, by own time:\n")
+    stats.sort_stats("tottime").print_stats(rows)
+    text.write(f"cProfile, {calls} calls, by cumulative time:\n")
+    stats.sort_stats("cumulative").print_stats(rows)
+    return text.getvalue()

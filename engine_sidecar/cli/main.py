@@ -232,7 +232,8 @@ def cmd_bench_gpu(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise InvalidPromptError(str(exc)) from None
     report = run_gpu_bench(args)
-    return 0 if report.get("guards", {}).get("pass") else 1
+    guards = report.get("guards")  # absent when --sections leaves them out
+    return 0 if guards is None or guards.get("pass") else 1
 
 
 def _version() -> str:

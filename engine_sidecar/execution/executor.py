@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_sidecar.execution.plan import FusionPlan
-from engine_sidecar.execution.policies import LayerView, Policy
+from engine_sidecar.execution.policies import KeptRows, LayerView, Policy
 from engine_sidecar.execution.prefetch import LayerPrefetcher, PrefetchTimes
 from engine_sidecar.execution.prophet import ReusedKV
-from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.model.runner import QKV, ModelRunner
 from engine_sidecar.store.entry import ChunkKV, warmed_after_neighbours
 from ragcache_kernels import dispatch
 
@@ -100,12 +100,14 @@ class ActiveRows:
     hidden: torch.Tensor  # [A, hidden]
     cos: torch.Tensor  # [A, head_dim] RoPE tables at their positions, in the activations' dtype
     sin: torch.Tensor
+    must_keep_count: int  # rows `must_keep` marks (never dropped, so fixed for the prefill)
 
     @classmethod
     def start(cls, index: torch.Tensor, must_keep: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor) -> ActiveRows:
+              sin: torch.Tensor, must_keep_count: int) -> ActiveRows:
         # rounded to the activations' dtype once here, as RoPE would on every call: the same values
-        return cls(index, must_keep, hidden, cos[index].to(hidden.dtype), sin[index].to(hidden.dtype))
+        return cls(index, must_keep, hidden, cos[index].to(hidden.dtype), sin[index].to(hidden.dtype),
+                   must_keep_count)
 
     def shrink(self, kept: torch.Tensor) -> None:
         """Keep the rows at these positions (ascending indices into the active rows)."""
@@ -144,8 +146,10 @@ def fused_prefill(
     # cached keys' rotation queued above
     active_host = active_mask.nonzero().squeeze(1)
     device = runner.device
-    rows = ActiveRows.start(active_host.to(device), (~run.has_cache)[active_host].to(device),
-                            runner.embed(run.ids[active_host.to(device)]), run.cos, run.sin)
+    must_keep = (~run.has_cache)[active_host]
+    active = to_device(active_host, device)
+    rows = ActiveRows.start(active, to_device(must_keep, device), runner.embed(run.ids[active]), run.cos, run.sin,
+                            int(must_keep.sum()))
     clock.mark("prefill_setup_s")
     for layer in range(runner.num_layers):
         prefetcher.wait(layer)
@@ -198,7 +202,7 @@ class _FusedRun:
         # `tempT`: the fused chunks' cached keys are scaled by 1/T once rotated, which divides every
         # query's logits on them by T (RoPE is linear); rows recomputed on a layer are overwritten there
         key_scale = 1.0 / policy.temperature if policy.temperature != 1.0 and bool(tempered.any()) else None
-        ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
+        ids = to_device(torch.tensor(plan.token_ids, dtype=torch.long), device)
         return cls(runner, plan, policy, kv, ids, positions, cos, sin, has_cache, loaded, load_s, fused, tempered,
                    key_scale, lazy, observer)
 
@@ -213,7 +217,10 @@ class _FusedRun:
         if not bool(self.has_cache.any()) or self.lazy:
             return None
         kv, n = self.kv, self.n
-        dispatch.apply_rope(kv.keys_pre[:, :n], self.cos, self.sin, out=kv.keys[:, :n])
+        # every layer in one launch (Triton on a GPU: cos/sin made in registers, one read and one
+        # write of the keys; the tables on a CPU)
+        dispatch.rotate_keys(kv.keys_pre[:, :n], self.positions, self.runner.inv_freq, out=kv.keys[:, :n],
+                             tables=(self.cos, self.sin))
         for span in self.plan.spans if self.key_scale is not None else ():
             if span.mode == "fuse" and is_tempered(span.cached, self.policy):
                 kv.keys[:, span.start : span.end].mul_(self.key_scale)
@@ -239,19 +246,35 @@ class _FusedRun:
         qkv = runner.qkv(layer, rows.hidden)
         keep = self.policy.refine(
             LayerView(layer, rows.index, rows.must_keep, qkv.k, qkv.v, kv.keys_pre[layer, :n], kv.values[layer, :n],
-                      runner.num_layers, qkv.q, self.rope_at)
+                      runner.num_layers, qkv.q, self.rope_at, rows.must_keep_count)
         )
         if keep is not None:
-            # the one read-back of a shrink (the next layer's row count): the rows are then taken by
-            # index, where a boolean mask would read its count back once per tensor taken
-            kept = keep.to(runner.device).nonzero().squeeze(1)
-            if kept.numel() < keep.numel():
+            kept = kept_indices(keep, runner.device)
+            if kept.numel() < rows.index.numel():
                 rows.shrink(kept)
                 qkv = qkv.take(kept)
         active = rows.index
         dense = active.shape[0] == n
-        q, k_rot = qkv.rotated(rows.cos, rows.sin)
-        # Triton kernels on CUDA, torch references elsewhere (RAGCACHE_KERNELS forces either)
+        if not self.lazy and dispatch.resolve_backend(runner.device) == "triton":
+            # q rotated, and k (as computed and rotated) and v into the buffer, in one launch
+            c = runner.config
+            q = dispatch.rope_and_store(qkv.joint, c.num_heads, c.num_kv_heads, active, runner.inv_freq,
+                                        kv.keys_pre[layer], kv.keys[layer], kv.values[layer])
+        else:
+            q = self.store_rows(layer, qkv, rows, dense)
+        if self.observer is not None:
+            self.observer(layer, q, active, kv.keys[layer, :n])
+        # positions are 0..n-1 in order, so a row's index is its position (key_pos None says so)
+        attn = dispatch.selective_attention(q, kv.keys[layer, :n], kv.values[layer, :n], active, None,
+                                            runner.config.sliding_window, dense)
+        rows.hidden = runner.mlp(layer, runner.attn_out(layer, rows.hidden, attn.reshape(attn.shape[0], -1)))
+        return int(active.shape[0])
+
+    def store_rows(self, layer: int, qkv: QKV, rows: ActiveRows, dense: bool) -> torch.Tensor:
+        """The active rows' k (as computed, and rotated) and v into the buffer, op by op; returns
+        their q rotated."""
+        kv, active, n = self.kv, rows.index, self.n
+        q, k_rot = qkv.rotated(rows.cos, rows.sin, active, self.runner.inv_freq)
         dispatch.scatter_rows(kv.keys_pre[layer], active, qkv.k)
         dispatch.scatter_rows(kv.values[layer], active, qkv.v)
         if self.lazy:
@@ -260,13 +283,7 @@ class _FusedRun:
             kv.keys[layer, :n] = k_rot
         else:
             dispatch.scatter_rows(kv.keys[layer], active, k_rot)
-        if self.observer is not None:
-            self.observer(layer, q, active, kv.keys[layer, :n])
-        # positions are 0..n-1 in order, so a row's index is its position
-        attn = dispatch.selective_attention(q, kv.keys[layer, :n], kv.values[layer, :n], active, self.positions,
-                                            runner.config.sliding_window, dense)
-        rows.hidden = runner.mlp(layer, runner.attn_out(layer, rows.hidden, attn.reshape(attn.shape[0], -1)))
-        return int(active.shape[0])
+        return q
 
     def finish(self, rows: ActiveRows, need_logits: bool, token_layers: int,
                prefetcher: LayerPrefetcher) -> PrefillResult:
@@ -280,6 +297,27 @@ class _FusedRun:
         prefetched = prefetcher.finish()
         return PrefillResult(logits, self.kv, token_layers, recomputed, int(self.fused.sum()), self.load_s,
                              self.loaded, prefetcher.times if prefetcher else None, prefetched)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: on a GPU a copy from pageable memory
+    waits for every kernel queued before it, so it goes through pinned memory, asynchronously
+    (torch's pinned-memory cache keeps the block until the copy is done)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def kept_indices(keep: torch.Tensor | KeptRows, device: torch.device) -> torch.Tensor:
+    """The rows a `refine` keeps, ascending, on the device. With the count known on the host
+    (KeptRows) no sync; a bare mask reads its count back once (the next layer's row count): the
+    rows are then taken by index, where a boolean mask would read it back once per tensor taken."""
+    if isinstance(keep, KeptRows):
+        try:
+            return torch.nonzero_static(keep.mask.to(device), size=keep.count).squeeze(1)
+        except NotImplementedError:  # a torch without it for this device: the read-back below
+            keep = keep.mask
+    return keep.to(device).nonzero().squeeze(1)
 
 
 def _load_cached(kv: KVBuffer, plan: FusionPlan) -> tuple[torch.Tensor, int, float]:

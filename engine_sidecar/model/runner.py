@@ -17,7 +17,7 @@ from engine_sidecar.errors import UnsupportedDtypeError
 from engine_sidecar.model.config import ModelConfig, load_config
 from engine_sidecar.model.weights import LayerWeights, ModelWeights, load_weights
 from ragcache_kernels import cpu_native
-from ragcache_kernels.dispatch import apply_rope, linear, selective_attention
+from ragcache_kernels.dispatch import apply_rope, linear, rotate_keys, selective_attention, silu_mul
 from ragcache_kernels.rope import cos_sin, inv_frequencies
 
 log = logging.getLogger("ragcache.model")
@@ -80,13 +80,18 @@ class QKV:
         """These rows (indices) of q, k and v, in one gather."""
         return QKV(self.joint[rows], self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def rotated(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotated(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
+                inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [A, H, D] and k [A, Hkv, D] rotated by per-row tables [A, D], in one call (cos/sin
-        already in the activations' dtype spare the call its two conversions). Views, rows not
-        contiguous."""
+        already in the activations' dtype spare the call its two conversions). With the rows'
+        `positions` and the model's `inv_freq`, a GPU rotates them in one Triton launch instead
+        (cos/sin computed in fp32 in registers). Views, rows not contiguous."""
         heads = self.num_heads + self.num_kv_heads
         qk = self.joint[:, : heads * self.head_dim].unflatten(-1, (heads, self.head_dim))
-        out = apply_rope(qk, cos, sin)
+        if positions is not None and inv_freq is not None:
+            out = rotate_keys(qk, positions, inv_freq, tables=(cos, sin))
+        else:
+            out = apply_rope(qk, cos, sin)
         return out[:, : self.num_heads], out[:, self.num_heads :]
 
 
@@ -123,7 +128,10 @@ class ModelRunner:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # torch's rms_norm normalises half-precision input in fp32 and rounds once, then the weight's
         # product in the activations' dtype: transformers' arithmetic (bit for bit on a CPU) in two
-        # calls instead of eight, one fused kernel where the device has it
+        # calls instead of eight. On a GPU the weight goes into the same kernel (one launch, one
+        # rounding instead of two): launches, not arithmetic, bound a request's sparse layers there
+        if x.device.type == "cuda":
+            return F.rms_norm(x, (x.shape[-1],), weight, eps=self.config.rms_norm_eps)
         return weight * F.rms_norm(x, (x.shape[-1],), eps=self.config.rms_norm_eps)
 
     def qkv(self, layer: int, hidden: torch.Tensor) -> QKV:
@@ -162,8 +170,7 @@ class ModelRunner:
     def mlp(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         w: LayerWeights = self.weights.layers[layer]
         x = self.rms_norm(hidden, w.post_norm)
-        gate, up = linear(x, w.gate_up_proj).chunk(2, dim=-1)
-        act = F.silu(gate, inplace=True).mul_(up)  # in place on the fresh gate/up buffer
+        act = silu_mul(linear(x, w.gate_up_proj))  # on a CPU in place on the fresh gate/up buffer
         return linear(act, w.down_proj, residual=hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

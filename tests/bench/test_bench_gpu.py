@@ -89,3 +89,43 @@ def test_the_flags_name_every_shape_the_benchmark_has():
     from engine_sidecar.bench.gpu_args import SHAPE_NAMES
 
     assert SHAPE_NAMES == tuple(SHAPES)
+
+
+def test_sections_and_a_profile_run_only_what_was_asked(smol_dir, tmp_path):
+    out = tmp_path / "gpu"
+    assert main(["bench", "gpu", "--device", "cpu", "--quick", "--tokenizer", str(smol_dir), "--out", str(out),
+                 "--sections", "ttft", "--profile", "reuse"]) == 0
+    report = json.loads((out / "bench-gpu.json").read_text())
+    assert {"peaks", "ttft_tiny"} <= set(report) and not {"kernels", "guards", "decode_tiny", "http_tiny"} & set(report)
+    profile = (out / "profile-tiny.txt").read_text()
+    # torch.profiler's operators, then cProfile's Python functions of the same request
+    assert profile.startswith("=== reuse, tiny shape") and "aten::" in profile
+    assert "cProfile, 5 calls, by own time" in profile and "fused_prefill" in profile
+
+
+def test_an_unknown_section_is_one_line(tmp_path, capsys):
+    assert main(["bench", "gpu", "--device", "cpu", "--quick", "--sections", "ttft,speed", "--out", str(tmp_path)]) == 2
+    assert "--sections: unknown speed" in capsys.readouterr().err
+
+
+def test_host_syncs_count_the_callers_thread_only():
+    """Sync debug mode is process-wide: a writer thread's wait meanwhile is not the request's."""
+    import threading
+    import warnings
+
+    from engine_sidecar.bench.gpu_counts import host_sync_sites, site_counts
+
+    modes: list[str] = []
+
+    def request() -> None:
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        writer = threading.Thread(target=lambda: warnings.warn("called a synchronizing CUDA operation", stacklevel=1))
+        writer.start()
+        writer.join()
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("an unrelated warning", stacklevel=1)
+
+    sites = host_sync_sites(request, debug_mode=modes.append)
+    assert modes == ["warn", "default"]
+    assert len(sites) == 2 and all(s.endswith(tuple(f":{n}" for n in range(1, 10000))) for s in sites)
+    assert list(site_counts(sites).values()) == [1, 1]

@@ -147,3 +147,14 @@ def test_a_cpu_engine_ignores_the_setting_and_says_so(tiny64, tmp_path, caplog):
             assert engine.scheduler.graphs is None
             assert DecodeGraphs.unavailable(engine.runner) == "CUDA graphs need a GPU"
     assert "--decode-graphs on has no effect here: CUDA graphs need a GPU" in caplog.text
+
+
+def test_by_default_a_cpu_engine_decodes_op_by_op_without_a_warning(tiny64, tmp_path, caplog):
+    from engine_sidecar import Engine
+    from engine_sidecar.engine_config import EngineConfig
+
+    assert EngineConfig().batching.graphs == "auto"
+    with caplog.at_level(logging.WARNING, logger="ragcache.decode_graphs"):
+        with Engine.from_pretrained(tiny64, device="cpu", dtype="float32", disk=False, cache_dir=tmp_path) as engine:
+            assert engine.scheduler.graphs is None
+    assert "decode-graphs" not in caplog.text

@@ -165,6 +165,42 @@ def test_few_queries_over_many_keys_split_by_default() -> None:
     _close(out, ref_out, torch.float32)
     torch.testing.assert_close(mass, ref_mass, atol=MASS_TOL[0], rtol=MASS_TOL[1])
 
+@pytest.mark.parametrize(("dtype", "window", "splits", "num_queries", "ordered"), [
+    (torch.float16, None, 1, 37, True), (torch.float16, None, 1, 37, False), (torch.float16, None, 3, 5, True),
+    (torch.float16, None, None, 5, True), (torch.float16, 7, 1, 37, True), (torch.float16, 40, 3, 37, False),
+    (torch.bfloat16, None, 1, 37, True), (torch.bfloat16, 7, 3, 5, True), (torch.float32, None, 3, 37, False)])
+def test_keys_at_their_index_match_the_reference(dtype: torch.dtype, window: int | None, splits: int | None,
+                                                 num_queries: int, ordered: bool) -> None:
+    """`key_pos` None (key i at position i, the fused prefill's layout): the branch-free loops,
+    with the key blocks before a query block's first query unmasked, give the masked result of
+    the same keys at explicit positions, split or not, with a window or not."""
+    gen = torch.Generator().manual_seed(num_queries + (window or 0) + (splits or 0))
+    num_keys = 150  # several key blocks before and inside each query block's span
+    picked = torch.randperm(num_keys, generator=gen)[:num_queries]
+    query_pos = picked.sort().values if ordered else picked
+    q = torch.randn(num_queries, 4, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(num_keys, 2, 64, generator=gen).to(dtype) for _ in range(2))
+    key_pos = torch.arange(num_keys)
+    got, _ = triton_attention.selective_attention(q, k, v, query_pos, None, sliding_window=window, splits=splits)
+    expected = ref_attention.selective_attention(q, k, v, query_pos, key_pos, sliding_window=window)
+    _close(got, expected, dtype)
+    explicit, _ = triton_attention.selective_attention(q, k, v, query_pos, key_pos, sliding_window=window,
+                                                       splits=splits)
+    _close(got, explicit, dtype)
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 32), (32, 16)])
+def test_keys_at_their_index_with_mass_and_other_tiles(block_m: int, block_n: int) -> None:
+    q, k, v, qpos, kpos = scattered_case(29, 97, 6, 2, 64, torch.float16, seed=3, gapped_keys=False)
+    seg = ref_attention.segment_ids_from_boundaries(torch.tensor([0, 30, 61]), 97)
+    got, mass = triton_attention.selective_attention(q, k, v, qpos, None, segment_ids=seg, num_segments=3,
+                                                     block_m=block_m, block_n=block_n)
+    ref_out, ref_mass = ref_attention.selective_attention_with_mass(q, k, v, qpos, kpos, seg, 3)
+    _close(got, ref_out, torch.float16)
+    # the reference's fp32 scores come from fp16 operands as the kernel's do: mass agrees in fp32
+    torch.testing.assert_close(mass, ref_mass, atol=MASS_TOL[0] * 10, rtol=MASS_TOL[1] * 10)
+
+
 # ---- RoPE re-rotation ----------------------------------------------------------------------
 
 
@@ -195,6 +231,43 @@ def test_rope_linear_scaling_into_a_buffer_slice_and_in_place() -> None:
     same = x.clone()
     triton_rope.rotate_keys(same, positions, inv, out=same)
     _close(same, expected, torch.float32)
+
+
+def test_rope_of_every_layer_in_one_launch_into_a_buffer_slice() -> None:
+    """[layers, T, heads, D] keys, each layer at the same positions, into the first T rows of a
+    larger buffer (the fused prefill's rotation of every cached key): each layer as the reference
+    rotates it alone, and the rows past T untouched."""
+    inv = ref_rope.inv_frequencies(64, 5e5)
+    x = torch.randn(3, 40, 2, 64)[:, :23]  # a strided slice, as kv.keys_pre[:, :n]
+    positions = torch.randperm(500)[:23]
+    buffer = torch.zeros(3, 40, 2, 64)
+    triton_rope.rotate_keys(x, positions, inv, out=buffer[:, :23])
+    for layer in range(3):
+        _close(buffer[layer, :23], ref_rope.rotate_keys(x[layer], positions, inv), torch.float32)
+    assert buffer[:, 23:].eq(0).all()
+
+
+def test_rope_of_query_and_key_heads_of_a_fused_projection() -> None:
+    """q and k heads as one strided view of a fused q/k/v projection's rows (QKV.rotated on a GPU)."""
+    inv = ref_rope.inv_frequencies(64, 1e4)
+    joint = torch.randn(11, (6 + 2 + 2) * 64)
+    qk = joint[:, : 8 * 64].unflatten(-1, (8, 64))
+    positions = torch.tensor([0, 3, 4, 9, 17, 18, 30, 31, 32, 60, 99])
+    _close(triton_rope.rotate_keys(qk, positions, inv), ref_rope.rotate_keys(qk, positions, inv), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
+    """SwiGLU's activation in one launch, on a strided view (rows of a wider buffer) and over a
+    width that is not a multiple of the block: torch's silu-then-product within rounding."""
+    from ragcache_kernels import triton_mlp
+
+    wide = (torch.randn(7, 2 * 1500 + 8) * 4).to(dtype)
+    gate_up = wide[:, : 2 * 1500]
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate.to(dtype)).float() * up).to(dtype)
+    _close(triton_mlp.silu_mul(gate_up), expected, dtype)
+    assert triton_mlp.silu_mul(gate_up[:0]).shape == (0, 1500)
 
 
 # ---- KV deviation, top-k and scatter -------------------------------------------------------
@@ -253,3 +326,25 @@ def test_scatter_refuses_non_dense_rows() -> None:
     dst = torch.zeros(10, 64, 4).transpose(1, 2)  # rows are strided
     with pytest.raises(ValueError, match="dense"):
         triton_kv.scatter_rows(dst, torch.tensor([1]), torch.zeros(1, 4, 64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rope_and_store_equals_rotating_and_scattering(dtype: torch.dtype) -> None:
+    """One layer's q/k/v rows stored and rotated in one launch: q as rotate_keys rotates it, k as
+    computed into keys_pre, k rotated into keys and v into values at the rows' positions; every
+    other row of the buffer untouched."""
+    heads, kv_heads, dim, total = 6, 2, 64, 70
+    rows = torch.tensor([0, 3, 4, 9, 17, 18, 30, 31, 32, 60, 69])
+    joint = torch.randn(rows.shape[0], (heads + 2 * kv_heads) * dim).to(dtype)
+    inv = ref_rope.inv_frequencies(dim, 5e5)
+    buffers = [torch.randn(2, total, kv_heads, dim).to(dtype) for _ in range(3)]
+    before = [b.clone() for b in buffers]
+    q = triton_rope.rope_and_store(joint, heads, kv_heads, rows, inv, buffers[0][1], buffers[1][1], buffers[2][1])
+    q_ref, k_ref, v_ref = joint.unflatten(-1, (heads + 2 * kv_heads, dim)).split((heads, kv_heads, kv_heads), 1)
+    _close(q, triton_rope.rotate_keys(q_ref, rows, inv), dtype)
+    assert torch.equal(buffers[0][1, rows], k_ref) and torch.equal(buffers[2][1, rows], v_ref)
+    _close(buffers[1][1, rows], triton_rope.rotate_keys(k_ref, rows, inv), dtype)
+    untouched = torch.ones(total, dtype=torch.bool)
+    untouched[rows] = False
+    for got, old in zip(buffers, before, strict=True):
+        assert torch.equal(got[0], old[0]) and torch.equal(got[1, untouched], old[1, untouched])

@@ -1,7 +1,7 @@
 """Token-selection policies for fused prefill: one module per family behind the interface in
 `base`, built from their specs by `registry`."""
 
-from engine_sidecar.execution.policies.base import LayerView, Policy, span_masks
+from engine_sidecar.execution.policies.base import KeptRows, LayerView, Policy, span_masks
 from engine_sidecar.execution.policies.cacheblend import CacheBlendPolicy, FocusPolicy, MixPolicy
 from engine_sidecar.execution.policies.cachecraft import CacheCraftPolicy
 from engine_sidecar.execution.policies.cachetune import CacheTunePolicy
@@ -11,5 +11,5 @@ from engine_sidecar.execution.policies.registry import parse_policy
 from engine_sidecar.store.frequency import frequency_scores
 
 __all__ = ["CacheBlendPolicy", "CacheCraftPolicy", "CacheTunePolicy", "EpicPolicy", "FocusPolicy", "FullPolicy",
-           "GatePolicy", "LayerView", "MixPolicy", "Policy", "PrefixPolicy", "ProphetPolicy", "ReusePolicy",
+           "GatePolicy", "KeptRows", "LayerView", "MixPolicy", "Policy", "PrefixPolicy", "ProphetPolicy", "ReusePolicy",
            "frequency_scores", "parse_policy", "span_masks"]

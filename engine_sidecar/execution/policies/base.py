@@ -24,6 +24,16 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class KeptRows:
+    """A `refine` answer whose size the policy knows on the host: the executor then takes the rows
+    without reading the mask's count back from the device (a host sync mid-prefill, which stops
+    the host queueing the later layers while the device catches up)."""
+
+    mask: torch.Tensor  # [A] bool
+    count: int  # how many of it are True
+
+
+@dataclass
 class LayerView:
     layer: int
     active: torch.Tensor  # [A] global token indices with hidden states, ascending
@@ -37,6 +47,7 @@ class LayerView:
     num_layers: int = 0
     new_queries: torch.Tensor | None = None  # [A, H, D] before RoPE
     rope: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (x, global idx) -> rotated
+    must_keep_count: int | None = None  # how many rows `must_keep` marks, known on the host
 
     # gathered only for the policies that read them (most layers of most policies do not)
     @cached_property
@@ -88,8 +99,8 @@ class Policy:
         """Bool mask [T]; must include every fresh token."""
         return span_masks(plan)[1]
 
-    def refine(self, view: LayerView) -> torch.Tensor | None:
-        """Bool mask [A] of tokens to keep, or None to keep all."""
+    def refine(self, view: LayerView) -> torch.Tensor | KeptRows | None:
+        """Bool mask [A] of tokens to keep (or KeptRows, the mask with its count), or None to keep all."""
         return None
 
     def prepare(self, runner: ModelRunner, plan: FusionPlan, reused: ReusedKV | None = None) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.plan import FusionPlan
-from engine_sidecar.execution.policies.base import LayerView, Policy, span_masks
+from engine_sidecar.execution.policies.base import KeptRows, LayerView, Policy, span_masks
 
 if TYPE_CHECKING:
     from engine_sidecar.execution.prophet import ReusedKV
@@ -50,19 +50,20 @@ class CacheBlendPolicy(Policy):
         offset = layer - self.check_layer
         return min(1.0, self.ratio * (3 - offset)) if 0 <= offset < last - self.check_layer else None
 
-    def refine(self, view: LayerView) -> torch.Tensor | None:
+    def refine(self, view: LayerView) -> KeptRows | None:
         ratio = self._target_ratio(view.layer, view.num_layers)
         if ratio is None or ratio >= 1.0:
             return None
-        candidates = ~view.must_keep
         budget = math.ceil(ratio * self._fused_total)
         deviation = (view.new_values - view.cached_values).float().pow(2).sum(dim=(1, 2))
-        deviation[~candidates] = -1.0
+        deviation.masked_fill_(view.must_keep, -1.0)
         keep = view.must_keep.clone()
-        budget = min(budget, int(candidates.sum()))
+        # the count from the host where it knows it: reading it off the device is a sync
+        kept_before = view.must_keep_count if view.must_keep_count is not None else int(view.must_keep.sum())
+        budget = min(budget, int(view.active.shape[0]) - kept_before)
         if budget > 0:
             keep[torch.topk(deviation, budget).indices] = True
-        return keep
+        return KeptRows(keep, kept_before + max(budget, 0))
 
 
 class FocusPolicy(CacheBlendPolicy):
