@@ -18,6 +18,8 @@ kernel merges the splits. Mass accumulation never splits.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -272,13 +274,21 @@ def default_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     return 64, (64 if head_dim <= 64 else 32)
 
 
+@functools.lru_cache(maxsize=16)
+def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The arguments a launch without mass or splits never reads (mass, segment ids, partials):
+    made once per device, since each allocation is host time on a request whose kernels are small.
+    Nothing writes them."""
+    return (torch.empty(1, 1, 1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int32, device=device),
+            torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device))
+
+
 def _mass_buffers(segment_ids: torch.Tensor | None, num_queries: int, heads: int, block_s: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-head mass [Tq, H, block_s], segment ids as int32), or placeholders without mass.
     Mass is kept per head and averaged on the host: deterministic, unlike atomics across heads."""
     if segment_ids is None:
-        return (torch.empty(1, 1, 1, dtype=torch.float32, device=device),
-                torch.empty(1, dtype=torch.int32, device=device))
+        return _placeholders(device)[:2]
     return (torch.zeros(num_queries, heads, block_s, dtype=torch.float32, device=device),
             segment_ids.to(device=device, dtype=torch.int32).contiguous())
 
@@ -358,7 +368,7 @@ def selective_attention(
         part_acc = torch.empty(splits, num_queries, heads, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(splits, num_queries, heads, 2, dtype=torch.float32, device=q.device)
     else:
-        part_acc = part_ml = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
+        part_acc = part_ml = _placeholders(q.device)[2]
     grid = (query_blocks, heads, splits)
     if num_stages is None and q.dtype == torch.float32:
         # fp32 dots hold their operands in registers: pipelined over stages, they spill at head

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from engine_sidecar.bench.gpu_counts import (
+    first_sync_stack,
     host_sync_sites,
     host_syncs,
     launches,
@@ -307,14 +308,23 @@ def tier_round_trip(device: torch.device, dtype: torch.dtype, work: Path) -> dic
         return CacheKey("bench", "bench", f"tokens-{seed}", "", "isolated")
 
     one = entry(0).nbytes
-    store = ChunkStore(one, work / "tier-kv", device, disk_capacity_bytes=0, host_capacity_bytes=4 * one)
+
+    def filled_store(folder: str) -> ChunkStore:
+        store = ChunkStore(one, work / folder, device, disk_capacity_bytes=0, host_capacity_bytes=4 * one)
+        store.put(key(1), entry(1))
+        store.put(key(2), entry(2))  # device memory holds one entry: the first moves to the host tier
+        return store
+
     first = entry(1)
     expected = first.keys.clone().cpu(), first.values.clone().cpu()
-    store.put(key(1), first)
-    store.put(key(2), entry(2))  # device memory holds one entry: the first moves to the host tier
+    store = filled_store("tier-kv")
     found: list[ChunkKV | None] = []
     sites = host_sync_sites(lambda: found.append(store.get(key(1)))) if device.type == "cuda" else []
     syncs = len(sites)
+    if syncs:  # the same read on a store of its own, stopped at its first wait: the calls that led there
+        other = filled_store("tier-kv-stack")
+        stack = first_sync_stack(lambda: other.get(key(1)))
+        other.flush()
     if device.type != "cuda":
         found.append(store.get(key(1)))
     back = found[0]
@@ -323,7 +333,7 @@ def tier_round_trip(device: torch.device, dtype: torch.dtype, work: Path) -> dic
     on_disk = store.disk.get(key(1).digest)
     stats = store.stats()
     out = {"host_hits": stats.hits_host, "host_demotions": stats.host_demotions, "host_read_syncs": syncs,
-           "host_read_sync_sites": site_counts(sites),
+           "host_read_sync_sites": site_counts(sites), "host_read_sync_stack": stack if syncs else None,
            "host_round_trip_equal": back is not None and back.keys.device.type == device.type
            and torch.equal(back.keys.cpu(), expected[0]) and torch.equal(back.values.cpu(), expected[1]),
            "disk_copy_equal": on_disk is not None and torch.equal(on_disk.keys.cpu(), expected[0])

@@ -49,6 +49,26 @@ def host_sync_sites(fn: Callable[[], Any],
     return sites
 
 
+def first_sync_stack(fn: Callable[[], Any], frames: int = 14,
+                     debug_mode: Callable[[str], None] = torch.cuda.set_sync_debug_mode) -> str | None:
+    """Where `fn` first makes the host wait for the GPU, as the Python stack that led there (sync
+    debug mode set to raise), or None when it never does. A warning names one line; this names
+    the calls above it."""
+    import traceback
+
+    debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as exc:
+        if "synchroniz" not in str(exc):
+            raise
+        stack = traceback.extract_tb(exc.__traceback__)[-frames:]
+        return "".join(f"{_short_path(f.filename)}:{f.lineno} {f.name}\n" for f in stack)
+    finally:
+        debug_mode("default")
+    return None
+
+
 def site_counts(sites: list[str]) -> dict[str, int]:
     """file:line -> how many times, in order of first appearance."""
     return dict(Counter(sites))

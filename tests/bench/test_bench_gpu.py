@@ -129,3 +129,20 @@ def test_host_syncs_count_the_callers_thread_only():
     assert modes == ["warn", "default"]
     assert len(sites) == 2 and all(s.endswith(tuple(f":{n}" for n in range(1, 10000))) for s in sites)
     assert list(site_counts(sites).values()) == [1, 1]
+
+
+def test_the_first_sync_is_reported_with_the_calls_above_it():
+    from engine_sidecar.bench.gpu_counts import first_sync_stack
+
+    modes: list[str] = []
+
+    def reads_back() -> None:
+        raise RuntimeError("called a synchronizing CUDA operation")
+
+    def caller() -> None:
+        reads_back()
+
+    stack = first_sync_stack(caller, debug_mode=modes.append)
+    assert modes == ["error", "default"] and stack is not None
+    assert [line.split()[-1] for line in stack.splitlines()][-2:] == ["caller", "reads_back"]
+    assert first_sync_stack(lambda: None, debug_mode=modes.append) is None

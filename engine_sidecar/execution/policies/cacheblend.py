@@ -62,7 +62,8 @@ class CacheBlendPolicy(Policy):
         kept_before = view.must_keep_count if view.must_keep_count is not None else int(view.must_keep.sum())
         budget = min(budget, int(view.active.shape[0]) - kept_before)
         if budget > 0:
-            keep[torch.topk(deviation, budget).indices] = True
+            # a fill, not `keep[indices] = True`: that copies the True to the device first, a sync
+            keep.index_fill_(0, torch.topk(deviation, budget).indices, True)
         return KeptRows(keep, kept_before + max(budget, 0))
 
 
