@@ -293,6 +293,26 @@ def _mass_buffers(segment_ids: torch.Tensor | None, num_queries: int, heads: int
             segment_ids.to(device=device, dtype=torch.int32).contiguous())
 
 
+def _partials(splits: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's unnormalised output and (max, normaliser) per query and head, for the merge;
+    the shared placeholder when the keys are not split."""
+    if splits == 1:
+        placeholder = _placeholders(q.device)[2]
+        return placeholder, placeholder
+    num_queries, heads, head_dim = q.shape
+    return (torch.empty(splits, num_queries, heads, head_dim, dtype=torch.float32, device=q.device),
+            torch.empty(splits, num_queries, heads, 2, dtype=torch.float32, device=q.device))
+
+
+def _launch_options(dtype: torch.dtype, num_warps: int | None, num_stages: int | None) -> dict[str, int]:
+    if num_stages is None and dtype == torch.float32:
+        # fp32 dots hold their operands in registers: pipelined over stages, they spill at head
+        # dim 128 (cross_compile reports it); fp32 is the reference dtype on a GPU, not its speed
+        num_stages = 1
+    return {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages))
+            if value is not None}
+
+
 def _split_keys(splits: int, num_keys: int, block_n: int) -> tuple[int, int]:
     """(splits, keys per split) for a wish of `splits`: whole key blocks per split, none left
     empty, and no more than the merge's tile holds."""
@@ -364,18 +384,9 @@ def selective_attention(
     elif splits is None:
         splits = key_splits(query_blocks * heads, num_keys, block_n, multiprocessors(q.device))
     splits, keys_per_split = _split_keys(splits, num_keys, block_n)
-    if splits > 1:
-        part_acc = torch.empty(splits, num_queries, heads, head_dim, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(splits, num_queries, heads, 2, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = _placeholders(q.device)[2]
+    part_acc, part_ml = _partials(splits, q)
     grid = (query_blocks, heads, splits)
-    if num_stages is None and q.dtype == torch.float32:
-        # fp32 dots hold their operands in registers: pipelined over stages, they spill at head
-        # dim 128 (cross_compile reports it); fp32 is the reference dtype on a GPU, not its speed
-        num_stages = 1
-    launch = {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages))
-              if value is not None}
+    launch = _launch_options(q.dtype, num_warps, num_stages)
     query_pos = query_pos.to(device=q.device, dtype=torch.int64).contiguous()
     keys_at_index = key_pos is None
     key_pos = query_pos if key_pos is None else key_pos.to(device=q.device, dtype=torch.int64).contiguous()

@@ -293,7 +293,9 @@ def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path
 def tier_round_trip(device: torch.device, dtype: torch.dtype, work: Path) -> dict[str, Any]:
     """The store's moves on this device: an entry device memory evicts comes back from the host
     tier bit for bit, the disk tier's file (written from the side stream's host copy) holds it bit
-    for bit, and the read back from the host makes the host wait for nothing (on CUDA)."""
+    for bit, and the read back from the host makes the host wait for nothing (on CUDA). The first
+    such read in a process waits once (CUDA's one-time set-up of that copy path), so the waits are
+    counted on a second store's read, the first's reported beside them."""
     from engine_sidecar.store.chunk_store import ChunkStore
     from engine_sidecar.store.entry import CacheKey, ChunkKV
 
@@ -315,30 +317,38 @@ def tier_round_trip(device: torch.device, dtype: torch.dtype, work: Path) -> dic
         store.put(key(2), entry(2))  # device memory holds one entry: the first moves to the host tier
         return store
 
+    def read_sites(store: ChunkStore, found: list) -> list[str]:
+        if device.type != "cuda":
+            found.append(store.get(key(1)))
+            return []
+        return host_sync_sites(lambda: found.append(store.get(key(1))))
+
     first = entry(1)
     expected = first.keys.clone().cpu(), first.values.clone().cpu()
+    first_read = filled_store("tier-kv-first")
+    first_sites = read_sites(first_read, [])
+    first_read.flush()
     store = filled_store("tier-kv")
     found: list[ChunkKV | None] = []
-    sites = host_sync_sites(lambda: found.append(store.get(key(1)))) if device.type == "cuda" else []
-    syncs = len(sites)
-    if syncs:  # the same read on a store of its own, stopped at its first wait: the calls that led there
+    sites = read_sites(store, found)
+    stack = None
+    if sites:  # the same read on a store of its own, stopped at its first wait: the calls that led there
         other = filled_store("tier-kv-stack")
         stack = first_sync_stack(lambda: other.get(key(1)))
         other.flush()
-    if device.type != "cuda":
-        found.append(store.get(key(1)))
     back = found[0]
     store.flush()
     assert store.disk is not None
     on_disk = store.disk.get(key(1).digest)
     stats = store.stats()
-    out = {"host_hits": stats.hits_host, "host_demotions": stats.host_demotions, "host_read_syncs": syncs,
-           "host_read_sync_sites": site_counts(sites), "host_read_sync_stack": stack if syncs else None,
+    out = {"host_hits": stats.hits_host, "host_demotions": stats.host_demotions, "host_read_syncs": len(sites),
+           "host_read_sync_sites": site_counts(sites), "host_read_sync_stack": stack,
+           "first_read_in_process_syncs": len(first_sites), "first_read_sync_sites": site_counts(first_sites),
            "host_round_trip_equal": back is not None and back.keys.device.type == device.type
            and torch.equal(back.keys.cpu(), expected[0]) and torch.equal(back.values.cpu(), expected[1]),
            "disk_copy_equal": on_disk is not None and torch.equal(on_disk.keys.cpu(), expected[0])
            and torch.equal(on_disk.values.cpu(), expected[1])}
-    out["pass"] = bool(out["host_round_trip_equal"] and out["disk_copy_equal"] and syncs == 0
+    out["pass"] = bool(out["host_round_trip_equal"] and out["disk_copy_equal"] and not sites
                        and stats.hits_host == 1)
     return out
 
