@@ -46,6 +46,11 @@ class KVBuffer:
     def capacity(self) -> int:
         return self.keys.shape[1]
 
+    @property
+    def same_layout(self) -> bool:
+        """The three buffers share their strides (as allocated): one kernel can write all three."""
+        return self.keys_pre.stride() == self.keys.stride() == self.values.stride()
+
     def ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return
@@ -255,7 +260,7 @@ class _FusedRun:
                 qkv = qkv.take(kept)
         active = rows.index
         dense = active.shape[0] == n
-        if not self.lazy and dispatch.resolve_backend(runner.device) == "triton":
+        if not self.lazy and kv.same_layout and dispatch.resolve_backend(runner.device) == "triton":
             # q rotated, and k (as computed and rotated) and v into the buffer, in one launch
             c = runner.config
             q = dispatch.rope_and_store(qkv.joint, c.num_heads, c.num_kv_heads, active, runner.inv_freq,
