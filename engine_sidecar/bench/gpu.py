@@ -357,8 +357,8 @@ HOST_TIER_ROW = "reuse (host tier)"
 
 
 def profile_policies(engine, stored: list[str], device: torch.device, args: argparse.Namespace, shape: str) -> None:
-    """torch.profiler's tables for each policy of `--profile`, one request each, into
-    profile-SHAPE.txt beside the JSON."""
+    """For each policy of `--profile`, one request through torch.profiler (operators) and cProfile
+    (Python functions), into profile-SHAPE.txt beside the JSON."""
     from ragcache_integrations.types import ChunkedPrompt
 
     wanted = [p.strip() for p in getattr(args, "profile", "").split(",") if p.strip()]
