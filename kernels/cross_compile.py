@@ -191,7 +191,7 @@ def run_request_stream(heads: tuple[int, int, int], dtype: torch.dtype) -> None:
     """The launches of a stream of requests whose lengths vary (prompts of 100 to 1,024 tokens,
     1 to all rows recomputed, decode batches of 1 to 16 at several lengths and layers): a kernel
     compiles once per variant, so the variants it makes are the compiles a server meets."""
-    from ragcache_kernels import triton_attention, triton_decode, triton_kv, triton_rope
+    from ragcache_kernels import triton_attention, triton_decode, triton_kv, triton_mlp, triton_rope
 
     h, hkv, d = heads
 
@@ -205,6 +205,9 @@ def run_request_stream(heads: tuple[int, int, int], dtype: torch.dtype) -> None:
             triton_attention.selective_attention(empty(rows, h, d), keys, keys, index, None)
             triton_kv.scatter_rows(empty(n, hkv, d), index, empty(rows, hkv, d))
             triton_kv.kv_deviation(empty(rows, hkv, d), keys, index)
+            triton_rope.rope_and_store(empty(rows, (h + 2 * hkv) * d), h, hkv, index, torch.ones(d // 2), keys,
+                                       empty(n, hkv, d), empty(n, hkv, d))
+            triton_mlp.silu_mul(empty(rows, 2 * 4 * h * d))
         triton_rope.rotate_keys(keys, torch.arange(n), torch.ones(d // 2), out=empty(n, hkv, d))
     for batch in (1, 2, 3, 8, 16):
         buffers = [empty(2, 1100, hkv, d) for _ in range(3 * batch)]
