@@ -111,7 +111,14 @@ def compiling_for(target: Target, record: Callable[[Any, Any], None]) -> Iterato
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from ragcache_kernels import triton_attention, triton_decode, triton_kv, triton_mlp, triton_rope
+    from ragcache_kernels import (
+        triton_attention,
+        triton_decode,
+        triton_kv,
+        triton_mlp,
+        triton_prefill_table,
+        triton_rope,
+    )
 
     launch = JITFunction.run
 
@@ -121,7 +128,7 @@ def compiling_for(target: Target, record: Callable[[Any, Any], None]) -> Iterato
         return kernel
 
     with contextlib.ExitStack() as stack:
-        for module in (triton_attention, triton_decode, triton_kv, triton_mlp, triton_rope):
+        for module in (triton_attention, triton_decode, triton_kv, triton_mlp, triton_prefill_table, triton_rope):
             stack.enter_context(mock.patch.object(module, "check_device", lambda *tensors: None))
         for module in (triton_attention, triton_decode):
             stack.enter_context(mock.patch.object(module, "multiprocessors", lambda device: target.multiprocessors))
@@ -135,7 +142,14 @@ def compiling_for(target: Target, record: Callable[[Any, Any], None]) -> Iterato
 # --- the engine's launches -------------------------------------------------------------------------
 def engine_launches(heads: tuple[int, int, int], dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
     """Label -> a call of a kernel launcher as the engine makes it, on empty tensors."""
-    from ragcache_kernels import triton_attention, triton_decode, triton_kv, triton_mlp, triton_rope
+    from ragcache_kernels import (
+        triton_attention,
+        triton_decode,
+        triton_kv,
+        triton_mlp,
+        triton_prefill_table,
+        triton_rope,
+    )
 
     h, hkv, d = heads
     n = PROMPT_TOKENS
@@ -162,6 +176,15 @@ def engine_launches(heads: tuple[int, int, int], dtype: torch.dtype) -> dict[str
 
         return run
 
+    def sparse_layer(bucket: int, splits: int) -> Callable[[], Any]:
+        def run() -> None:
+            inputs = torch.zeros(triton_prefill_table.TABLE_SIZE + bucket, dtype=torch.int64)
+            view = triton_prefill_table.PrefillTable(inputs[: triton_prefill_table.TABLE_SIZE],
+                                                     inputs[triton_prefill_table.TABLE_SIZE :], h, hkv, d, splits)
+            view.attend(1, view.store(1, empty(bucket, (h + 2 * hkv) * d), torch.ones(d // 2)))
+
+        return run
+
     calls: dict[str, Callable[[], Any]] = {
         "full prefill": attend(n),
         "fused prefill (cacheblend:0.15 rows)": attend(FUSED_ROWS),
@@ -184,6 +207,8 @@ def engine_launches(heads: tuple[int, int, int], dtype: torch.dtype) -> dict[str
     }
     for batch in DECODE_BATCHES:
         calls[f"decode, batch {batch}"] = decode(batch)
+    calls["graphed sparse layer (question rows, keys split)"] = sparse_layer(QUESTION_ROWS, 4)
+    calls["graphed sparse layer (cacheblend:0.15 rows)"] = sparse_layer(FUSED_ROWS, 1)
     return calls
 
 
@@ -191,7 +216,14 @@ def run_request_stream(heads: tuple[int, int, int], dtype: torch.dtype) -> None:
     """The launches of a stream of requests whose lengths vary (prompts of 100 to 1,024 tokens,
     1 to all rows recomputed, decode batches of 1 to 16 at several lengths and layers): a kernel
     compiles once per variant, so the variants it makes are the compiles a server meets."""
-    from ragcache_kernels import triton_attention, triton_decode, triton_kv, triton_mlp, triton_rope
+    from ragcache_kernels import (
+        triton_attention,
+        triton_decode,
+        triton_kv,
+        triton_mlp,
+        triton_prefill_table,
+        triton_rope,
+    )
 
     h, hkv, d = heads
 
@@ -209,6 +241,13 @@ def run_request_stream(heads: tuple[int, int, int], dtype: torch.dtype) -> None:
                                        empty(n, hkv, d), empty(n, hkv, d))
             triton_mlp.silu_mul(empty(rows, 2 * 4 * h * d))
         triton_rope.rotate_keys(keys, torch.arange(n), torch.ones(d // 2), out=empty(n, hkv, d))
+    for bucket in (16, 64, 256, 1024):  # the prefill graphs' buckets, split or not
+        for splits in (1, 4):
+            inputs = torch.zeros(triton_prefill_table.TABLE_SIZE + bucket, dtype=torch.int64)
+            view = triton_prefill_table.PrefillTable(inputs[: triton_prefill_table.TABLE_SIZE],
+                                                     inputs[triton_prefill_table.TABLE_SIZE :], h, hkv, d, splits)
+            for layer in (0, 1):
+                view.attend(layer, view.store(layer, empty(bucket, (h + 2 * hkv) * d), torch.ones(d // 2)))
     for batch in (1, 2, 3, 8, 16):
         buffers = [empty(2, 1100, hkv, d) for _ in range(3 * batch)]
         for position in (100, 1000, 1024):

@@ -108,6 +108,37 @@ def _attend_block(acc, seg_acc, m_i, l_i, q, qpos, K, V, KPOS, SEG, start, key_h
     return acc, seg_acc, m_new, l_i
 
 
+@triton.jit
+def _attend_keys_at_index(acc, seg_acc, m_i, l_i, q, qpos, q_lo, q_hi, K, V, KPOS, SEG, key_lo, key_hi, kv_head,
+                          qk_scale, window, stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols,
+                          BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, WITH_MASS: tl.constexpr,
+                          DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Keys [key_lo, key_hi) folded into a query block's online softmax, key i at position i.
+    What the block may see is then a range of key blocks known before the loop: the loops carry
+    no branch and Triton pipelines their loads. Key blocks wholly before the block's first query
+    are visible to every query of it and skip the mask."""
+    qpos = qpos.to(tl.int32)
+    q_lo = q_lo.to(tl.int32)
+    loop_hi = tl.minimum(key_hi, q_hi.to(tl.int32) + 1)
+    loop_lo = key_lo
+    if HAS_WINDOW:
+        loop_lo = tl.maximum(key_lo, ((q_lo - window + 1) // BLOCK_N) * BLOCK_N)
+        open_hi = loop_lo
+    else:
+        open_hi = tl.maximum(loop_lo, tl.minimum(loop_hi, (q_lo // BLOCK_N) * BLOCK_N))
+    for start in range(loop_lo, open_hi, BLOCK_N):
+        acc, seg_acc, m_i, l_i = _attend_block(
+            acc, seg_acc, m_i, l_i, q, qpos, K, V, KPOS, SEG, start, key_hi, kv_head, qk_scale, window,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols, BLOCK_N, HAS_WINDOW,
+            WITH_MASS, DOT_FP32, PRECISION, True, False)
+    for start in range(open_hi, loop_hi, BLOCK_N):
+        acc, seg_acc, m_i, l_i = _attend_block(
+            acc, seg_acc, m_i, l_i, q, qpos, K, V, KPOS, SEG, start, key_hi, kv_head, qk_scale, window,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols, BLOCK_N, HAS_WINDOW,
+            WITH_MASS, DOT_FP32, PRECISION, True, True)
+    return acc, seg_acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=SIZES_OF_ATTENTION)
 def _selective_attention_kernel(
     Q, K, V, OUT, QPOS, KPOS, SEG, MASS, PART_ACC, PART_ML, num_queries, num_keys, keys_per_split, qk_scale,
@@ -145,28 +176,10 @@ def _selective_attention_kernel(
     seg_cols = tl.arange(0, BLOCK_S)
 
     if KEYS_AT_INDEX:
-        # Key i sits at position i, so what the block may see is a range of key blocks known before
-        # the loop: the loops carry no branch and Triton pipelines their loads. Key blocks wholly
-        # before the block's first query are visible to every query of it and skip the mask.
-        qpos = qpos.to(tl.int32)
-        q_lo = q_lo.to(tl.int32)
-        loop_hi = tl.minimum(key_hi, q_hi.to(tl.int32) + 1)
-        loop_lo = key_lo
-        if HAS_WINDOW:
-            loop_lo = tl.maximum(key_lo, ((q_lo - window + 1) // BLOCK_N) * BLOCK_N)
-            open_hi = loop_lo
-        else:
-            open_hi = tl.maximum(loop_lo, tl.minimum(loop_hi, (q_lo // BLOCK_N) * BLOCK_N))
-        for start in range(loop_lo, open_hi, BLOCK_N):
-            acc, seg_acc, m_i, l_i = _attend_block(
-                acc, seg_acc, m_i, l_i, q, qpos, K, V, KPOS, SEG, start, key_hi, kv_head, qk_scale, window,
-                stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols, BLOCK_N, HAS_WINDOW,
-                WITH_MASS, DOT_FP32, PRECISION, True, False)
-        for start in range(open_hi, loop_hi, BLOCK_N):
-            acc, seg_acc, m_i, l_i = _attend_block(
-                acc, seg_acc, m_i, l_i, q, qpos, K, V, KPOS, SEG, start, key_hi, kv_head, qk_scale, window,
-                stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols, BLOCK_N, HAS_WINDOW,
-                WITH_MASS, DOT_FP32, PRECISION, True, True)
+        acc, seg_acc, m_i, l_i = _attend_keys_at_index(
+            acc, seg_acc, m_i, l_i, q, qpos, q_lo, q_hi, K, V, KPOS, SEG, key_lo, key_hi, kv_head, qk_scale, window,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols, BLOCK_N, HAS_WINDOW, WITH_MASS,
+            DOT_FP32, PRECISION)
     else:
         for start in range(key_lo, key_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)

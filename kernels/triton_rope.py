@@ -148,12 +148,43 @@ def _rope_store_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
+    rope_store_rows(QKV, Q_OUT, K_PRE, K_ROT, V, ROWS, INV_FREQ, num_rows, num_rows, stride_src, stride_qt, stride_qh,
+                    stride_dt, stride_dh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_HALF, BLOCK_T)
+
+
+@triton.jit
+def rope_store_rows(
+    QKV,
+    Q_OUT,
+    K_PRE,
+    K_ROT,
+    V,
+    ROWS,
+    INV_FREQ,
+    num_rows,
+    num_stored,
+    stride_src,
+    stride_qt,
+    stride_qh,
+    stride_dt,
+    stride_dh,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """This program's block of rows: q rotated into Q_OUT (rows below `num_rows`), and for the
+    first `num_stored` rows k as computed into K_PRE, k rotated into K_ROT and v into V, each at
+    its row's own index there."""
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_i = tl.arange(0, BLOCK_HALF)
     t_ok = offs_t < num_rows
     i_ok = offs_i < HALF
     mask = t_ok[:, None] & i_ok[None, :]
+    stored = (offs_t < num_stored)[:, None] & mask
     row = tl.load(ROWS + offs_t, mask=t_ok, other=0)  # a prompt row is also its position
     inv = tl.load(INV_FREQ + offs_i, mask=i_ok, other=0.0)
     angle = row.to(tl.float32)[:, None] * inv[None, :]
@@ -173,15 +204,15 @@ def _rope_store_kernel(
         k1 = tl.load(k_src + offs_i[None, :], mask=mask, other=0.0)
         k2 = tl.load(k_src + HALF + offs_i[None, :], mask=mask, other=0.0)
         at = dst + h * stride_dh
-        tl.store(K_PRE + at + offs_i[None, :], k1, mask=mask)  # position-free, as computed
-        tl.store(K_PRE + at + HALF + offs_i[None, :], k2, mask=mask)
+        tl.store(K_PRE + at + offs_i[None, :], k1, mask=stored)  # position-free, as computed
+        tl.store(K_PRE + at + HALF + offs_i[None, :], k2, mask=stored)
         f1, f2 = k1.to(tl.float32), k2.to(tl.float32)
-        tl.store(K_ROT + at + offs_i[None, :], (f1 * cos - f2 * sin).to(K_ROT.dtype.element_ty), mask=mask)
-        tl.store(K_ROT + at + HALF + offs_i[None, :], (f2 * cos + f1 * sin).to(K_ROT.dtype.element_ty), mask=mask)
+        tl.store(K_ROT + at + offs_i[None, :], (f1 * cos - f2 * sin).to(K_ROT.dtype.element_ty), mask=stored)
+        tl.store(K_ROT + at + HALF + offs_i[None, :], (f2 * cos + f1 * sin).to(K_ROT.dtype.element_ty), mask=stored)
         v_src = src + (NUM_HEADS + NUM_KV_HEADS + h) * HEAD_DIM
-        tl.store(V + at + offs_i[None, :], tl.load(v_src + offs_i[None, :], mask=mask, other=0.0), mask=mask)
+        tl.store(V + at + offs_i[None, :], tl.load(v_src + offs_i[None, :], mask=mask, other=0.0), mask=stored)
         tl.store(V + at + HALF + offs_i[None, :], tl.load(v_src + HALF + offs_i[None, :], mask=mask, other=0.0),
-                 mask=mask)
+                 mask=stored)
 
 
 def rope_and_store(joint: torch.Tensor, num_heads: int, num_kv_heads: int, rows: torch.Tensor,

@@ -35,6 +35,7 @@ from engine_sidecar.execution.kernel_warmup import warm_kernels
 from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import Policy, parse_policy
+from engine_sidecar.execution.prefill_graphs import prefill_graphs
 from engine_sidecar.model.prepare import resolve_model_dir
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.paths import default_cache_dir
@@ -74,7 +75,8 @@ class Engine:
         self.conversations = ConversationStore(talks.ttl_s, talks.max_tokens, talks.max_count, talks.ram_bytes)
         self.variants = VariantIndex(config.reuse.cachecraft_variants_per_chunk, config.reuse.cachecraft_max_chunks)
         self.costs = CostMeter()
-        self.prefill_stage = PrefillStage(runner, store, self.costs)
+        self.prefill_stage = PrefillStage(runner, store, self.costs,
+                                          prefill_graphs(runner, config.batching.prefill_graphs, self.max_context))
         store.on_disk_load = lambda seconds, tokens: self.costs.observe_load("disk", seconds, tokens)
         store.on_redis_load = lambda seconds, tokens: self.costs.observe_load("redis", seconds, tokens)
         self.cptree = CPTree(lambda node: self.store.contains(self.keys.for_node(node)),

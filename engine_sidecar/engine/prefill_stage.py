@@ -12,6 +12,7 @@ from engine_sidecar.execution.executor import KVBuffer, PrefillResult, fused_pre
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies import Policy
 from engine_sidecar.execution.prefetch import preload_depth
+from engine_sidecar.execution.prefill_graphs import PrefillGraphs
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.reuse.planner import PlannedRequest
 from engine_sidecar.store.chunk_store import ChunkStore
@@ -19,8 +20,11 @@ from engine_sidecar.store.disk import DamagedCacheFile
 
 
 class PrefillStage:
-    def __init__(self, runner: ModelRunner, store: ChunkStore, costs: CostMeter):
-        self.runner, self.store, self.costs = runner, store, costs
+    def __init__(self, runner: ModelRunner, store: ChunkStore, costs: CostMeter,
+                 graphs: PrefillGraphs | None = None):
+        """`graphs`, where given, replays each prefill's layers after its policy's last choice of
+        rows from CUDA graphs."""
+        self.runner, self.store, self.costs, self.graphs = runner, store, costs, graphs
 
     def run(self, planned: PlannedRequest, policy: Policy, capacity: int, times: dict[str, float],
             replan: Callable[[], PlannedRequest] | None, upto: int | None = None,
@@ -37,7 +41,7 @@ class PrefillStage:
             try:
                 result = fused_prefill(self.runner, plan, policy, capacity=capacity, need_logits=upto is None,
                                        observer=observer, prefetch_depth=self._preload_depth(planned),
-                                       allocate=allocate)
+                                       allocate=allocate, graphs=self.graphs)
             except DamagedCacheFile:
                 if attempt or replan is None:
                     raise

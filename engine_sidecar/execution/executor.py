@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from engine_sidecar.execution.prophet import ReusedKV
 from engine_sidecar.model.runner import QKV, ModelRunner
 from engine_sidecar.store.entry import ChunkKV, warmed_after_neighbours
 from ragcache_kernels import dispatch
+
+if TYPE_CHECKING:
+    from engine_sidecar.execution.prefill_graphs import PrefillGraphs
 
 
 @dataclass
@@ -130,12 +134,14 @@ def fused_prefill(
     observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
     prefetch_depth: int = 1,
     allocate: Callable[[int], KVBuffer] | None = None,
+    graphs: PrefillGraphs | None = None,
 ) -> PrefillResult:
     """Run the plan. `observer(layer, rotated queries [A,H,D], active positions [A], rotated keys
     [n,Hkv,D])` sees each layer's attention inputs (Cache-Craft records chunk statistics). Spans
     whose cached KV is still on disk (`ChunkKV.reader`) are read a layer at a time on a thread
     while earlier layers compute, `prefetch_depth` layers before layer 0 starts. `allocate(rows)`
-    makes the KV buffer (a KVPool's `take`; default: a new one)."""
+    makes the KV buffer (a KVPool's `take`; default: a new one). `graphs`, where given, replays
+    the layers after the policy's last choice of rows from a CUDA graph when one serves them."""
     clock = StageClock(runner.device)
     run = _FusedRun.start(runner, plan, policy, capacity, observer, allocate)
     clock.mark("prefill_setup_s")
@@ -156,14 +162,23 @@ def fused_prefill(
     rows = ActiveRows.start(active, to_device(must_keep, device), runner.embed(run.ids[active]), run.cos, run.sin,
                             int(must_keep.sum()))
     clock.mark("prefill_setup_s")
+    # from this layer on the rows no longer change: a graph may run the rest
+    graph_from = policy.final_refine_layer(runner.num_layers) + 1 if run.graphable(graphs) else runner.num_layers
+    replayed = None
     for layer in range(runner.num_layers):
         prefetcher.wait(layer)
+        if layer == graph_from and graphs is not None:
+            replayed = graphs.run(run.kv, run.n, layer, rows.index, rows.hidden)
+            if replayed is not None:
+                token_layers += int(rows.index.shape[0]) * (runner.num_layers - layer)
+                clock.mark("prefill_sparse_layers_s")
+                break
         # a layer that starts with most rows active (layer 0 and the check layer of CacheBlend and
         # its kin) is the fixed cost of a selective recompute: timed apart from the sparse ones
         dense = 2 * rows.index.shape[0] > run.n
         token_layers += run.layer(layer, rows)
         clock.mark("prefill_dense_layers_s" if dense else "prefill_sparse_layers_s")
-    result = run.finish(rows, need_logits, token_layers, prefetcher)
+    result = run.finish(rows, need_logits, token_layers, prefetcher, replayed)
     clock.mark("prefill_logits_s")
     result.stage_s = clock.stages
     return result
@@ -238,6 +253,11 @@ class _FusedRun:
                              out=self.kv.keys[layer, :n], tables=(self.cos, self.sin))
         temper_stale_rows(self.kv.keys[layer, :n], self.tempered, active, self.key_scale)
 
+    def graphable(self, graphs: PrefillGraphs | None) -> bool:
+        """Whether this prefill's later layers may replay from `graphs`: its KV is all in place
+        (none arrives from disk layer by layer) and no observer reads each layer."""
+        return graphs is not None and not self.lazy and self.observer is None
+
     def rope_at(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return dispatch.apply_rope(x, self.cos[idx], self.sin[idx])
 
@@ -291,10 +311,16 @@ class _FusedRun:
         return q
 
     def finish(self, rows: ActiveRows, need_logits: bool, token_layers: int,
-               prefetcher: LayerPrefetcher) -> PrefillResult:
+               prefetcher: LayerPrefetcher, replayed: torch.Tensor | None = None) -> PrefillResult:
+        """The result, with the last row's logits from `replayed` where a graph ran the last layers."""
         n = self.n
         self.kv.length = n
-        logits = self.runner.logits(rows.hidden[-1:])[0] if need_logits else None
+        if not need_logits:
+            logits = None
+        elif replayed is not None:
+            logits = replayed
+        else:
+            logits = self.runner.logits(rows.hidden[-1:])[0]
         active_host = rows.index.cpu()  # the one read-back of the prefill, after every layer is queued
         if need_logits and (active_host.numel() == 0 or int(active_host[-1]) != n - 1):
             raise AssertionError("the last prompt token must stay active to produce logits")

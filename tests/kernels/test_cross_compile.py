@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("triton")
 
 KERNELS = {"selective_attention_kernel", "merge_splits_kernel", "deviation_kernel", "scatter_rows_kernel",
-           "rope_kernel", "rope_store_kernel", "silu_mul_kernel", "append_rows_kernel", "decode_attention_kernel"}
+           "rope_kernel", "rope_store_kernel", "silu_mul_kernel", "append_rows_kernel", "decode_attention_kernel",
+           "store_from_table_kernel", "attend_from_table_kernel"}
 
 
 def _cross_compile(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -50,9 +51,10 @@ def test_every_kernel_compiles_for_sm90_without_spilling_at_the_engines_shapes(t
     stream = report["stream_variants"]
     assert set(stream) == KERNELS
     assert stream["selective_attention_kernel"] <= 2 and stream["decode_attention_kernel"] <= 2
+    assert stream["attend_from_table_kernel"] <= 2  # every prefill graph bucket, split or not
     assert all(stream[name] == 1 for name in ("merge_splits_kernel", "deviation_kernel", "scatter_rows_kernel",
                                               "rope_kernel", "rope_store_kernel", "silu_mul_kernel",
-                                              "append_rows_kernel"))
+                                              "append_rows_kernel", "store_from_table_kernel"))
 
 
 def test_the_command_refuses_the_interpreter_and_unknown_shapes(tmp_path: Path) -> None:

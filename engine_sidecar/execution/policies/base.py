@@ -103,6 +103,12 @@ class Policy:
         """Bool mask [A] of tokens to keep (or KeptRows, the mask with its count), or None to keep all."""
         return None
 
+    def final_refine_layer(self, num_layers: int) -> int:
+        """The last layer whose `refine` may change the rows (-1: none ever does). Later layers
+        compute a fixed set of rows, which a CUDA graph can replay. A policy that overrides
+        `refine` without saying where it stops is taken to refine on every layer."""
+        return -1 if type(self).refine is Policy.refine else num_layers - 1
+
     def prepare(self, runner: ModelRunner, plan: FusionPlan, reused: ReusedKV | None = None) -> int:
         """Work with the model before layer 0 (prophet's question probe); returns the
         token-layers it computed, which count in the request's computed share. Most: none.

@@ -50,6 +50,14 @@ class CacheBlendPolicy(Policy):
         offset = layer - self.check_layer
         return min(1.0, self.ratio * (3 - offset)) if 0 <= offset < last - self.check_layer else None
 
+    def final_refine_layer(self, num_layers: int) -> int:
+        if self.ratio >= 1.0:
+            return -1
+        if not self.gradual:
+            return self.check_layer
+        return max((layer for layer in range(num_layers) if self._target_ratio(layer, num_layers) is not None),
+                   default=-1)
+
     def refine(self, view: LayerView) -> KeptRows | None:
         ratio = self._target_ratio(view.layer, view.num_layers)
         if ratio is None or ratio >= 1.0:

@@ -1,0 +1,223 @@
+"""A fused prefill's sparse layers replayed from CUDA graphs, one graph per row bucket and first
+layer.
+
+Once a policy has made its last choice of rows (before layer 0 for `reuse`, `epic` and `prophet`;
+after the check layer for CacheBlend), every later layer computes the same rows: the question's
+and the few kept for recompute. On a GPU those layers are a few hundred small launches whose host
+cost (Python, torch's dispatcher, Triton's launcher) is several times their device time. Captured
+once, they replay as one launch. They are capturable because:
+
+- every value their kernels read sits at a fixed device address: the rows' hidden states and
+  positions, and a small table (the request's KV buffer addresses, layer stride, key count, row
+  count and last row), rewritten by one host-to-device copy and two device copies before each
+  replay (ragcache_kernels.triton_prefill_table);
+- every launch's grid is fixed: the rows are padded to the bucket (padded rows repeat the last
+  position and store nothing) and the keys are split a fixed number of ways, each slice's length
+  following the request's key count on the device;
+- nothing inside reads a value back to the host; the graph ends with the last row's logits.
+
+The request's KV buffer stays where the prefill put it: the table holds its addresses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from engine_sidecar.execution.executor import KVBuffer
+from engine_sidecar.model.runner import ModelRunner
+from ragcache_kernels import dispatch
+
+log = logging.getLogger("ragcache.prefill_graphs")
+
+# Row buckets: a request's kept rows are padded up to the next one. Above the last, a layer's
+# device time outweighs its launches and the layers run op by op.
+BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
+
+
+@dataclass
+class SparseGraph:
+    """One bucket's fixed inputs from one first layer on, its captured layers and their logits."""
+
+    bucket: int
+    first_layer: int
+    inputs: torch.Tensor  # int64 [TABLE_SIZE + bucket] on the device: the table, then the rows' positions
+    staging: torch.Tensor  # the table on the host (pinned on a GPU), filled before each replay
+    hidden: torch.Tensor  # [bucket, hidden] the rows' hidden states entering `first_layer`
+    view: object  # triton_prefill_table.PrefillTable over `inputs`
+    logits: torch.Tensor | None = None  # [vocab] fp32, a replay's output
+    graph: torch.cuda.CUDAGraph | None = None  # None: the layers run op by op (a CPU, in tests)
+    copied: torch.cuda.Event | None = None  # the last table copy: staging is free again after it
+
+
+def prefill_graphs(runner: ModelRunner, mode: str, max_context: int) -> PrefillGraphs | None:
+    """The engine's sparse-layer graphs when `mode` asks for them and this runner can use them."""
+    if mode == "off":
+        return None
+    why_not = PrefillGraphs.unavailable(runner)
+    if why_not is not None:
+        if mode == "on":  # asked for by name: say why it does nothing
+            log.warning("--prefill-graphs on has no effect here: %s", why_not)
+        return None
+    return PrefillGraphs(runner, max_context)
+
+
+class PrefillGraphs:
+    """Sparse layers of prompts of at most `max_context` tokens from captured graphs.
+    `capture=False` runs the same fixed-address layers op by op, which is how the CPU tests check
+    them against the executor's own layers; in service it is only built on a GPU."""
+
+    def __init__(self, runner: ModelRunner, max_context: int, capture: bool | None = None,
+                 splits: int | None = None, buckets: tuple[int, ...] = BUCKETS):
+        self.runner = runner
+        self.max_context = max_context
+        self.buckets = buckets
+        self.capture = runner.device.type == "cuda" if capture is None else capture
+        self.fixed_splits = splits
+        self.graphs: dict[tuple[int, int], SparseGraph] = {}
+        self.failed: str | None = None  # why capture failed; the layers run op by op from then on
+        self.replays = 0
+        self._lock = threading.Lock()
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @staticmethod
+    def unavailable(runner: ModelRunner) -> str | None:
+        """Why this runner cannot replay prefill layers from graphs, or None."""
+        if runner.device.type != "cuda":
+            return "CUDA graphs need a GPU"
+        if dispatch.resolve_backend(runner.device) != "triton":
+            return "prefill graphs need the Triton kernels (RAGCACHE_KERNELS is not torch, and triton imports)"
+        return None
+
+    def bucket(self, rows: int) -> int | None:
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def serves(self, kv: KVBuffer, num_keys: int, rows: int) -> bool:
+        """Whether a graph can run the remaining layers of this prefill: its rows fit a bucket and
+        are fewer than its keys (all rows active is full prefill, dense attention's job), and the
+        table can describe its buffer."""
+        if self.failed is not None or not 0 < rows < num_keys <= self.max_context or self.bucket(rows) is None:
+            return False
+        if dispatch.resolve_backend(self.runner.device) != "triton":
+            return False
+        from ragcache_kernels.triton_prefill_table import addressable
+
+        return addressable(kv.keys_pre, kv.keys, kv.values)
+
+    @torch.inference_mode()
+    def run(self, kv: KVBuffer, num_keys: int, first_layer: int, rows: torch.Tensor,
+            hidden: torch.Tensor) -> torch.Tensor | None:
+        """Layers `first_layer`.. of a prefill over the buffer's first `num_keys` rows, for the
+        prompt rows `rows` [A] (device, ascending, the last one num_keys - 1) entering with
+        `hidden` [A, hidden]: their k and v stored in `kv`, and the last row's logits [vocab]
+        (fp32) returned. None when no graph serves it: the caller runs the layers op by op."""
+        count = int(rows.shape[0])
+        size = self.bucket(count)
+        if size is None or not self.serves(kv, num_keys, count):
+            return None
+        with self._lock:
+            graph = self.graphs.get((size, first_layer)) or self._build(size, first_layer)
+            if graph is None:
+                return None
+            self._fill(graph, kv, num_keys, rows, hidden)
+            self._replay(graph)
+            assert graph.logits is not None
+            return graph.logits.clone()  # the next replay overwrites the graph's own
+
+    # --- building a bucket's graph ---------------------------------------------------------------
+    def _build(self, size: int, first_layer: int) -> SparseGraph | None:
+        from ragcache_kernels import triton_prefill_table as table
+
+        c, device = self.runner.config, self.runner.device
+        inputs = torch.zeros(table.TABLE_SIZE + size, dtype=torch.int64, device=device)
+        staging = torch.zeros(table.TABLE_SIZE, dtype=torch.int64, pin_memory=device.type == "cuda")
+        view = table.PrefillTable(inputs[: table.TABLE_SIZE], inputs[table.TABLE_SIZE :], c.num_heads,
+                                  c.num_kv_heads, c.head_dim, self._splits(size), c.sliding_window)
+        hidden = torch.zeros(size, c.hidden_size, dtype=self.runner.dtype, device=device)
+        graph = SparseGraph(size, first_layer, inputs, staging, hidden, view)
+        # warm-up and capture store into a one-row buffer of their own, never a request's
+        scratch = KVBuffer.allocate(self.runner, 1)
+        self._fill(graph, scratch, 1, torch.zeros(1, dtype=torch.int64, device=device), hidden[:1])
+        if not self.capture:
+            self.graphs[(size, first_layer)] = graph
+            return graph
+        try:
+            self._capture(graph)
+        except Exception as exc:  # noqa: BLE001 - a driver or kernel refusing capture: run op by op
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture failed for %d prefill rows; running sparse layers op by op from now "
+                        "on: %s", size, self.failed)
+            return None
+        self.graphs[(size, first_layer)] = graph
+        return graph
+
+    def _splits(self, size: int) -> int:
+        if self.fixed_splits is not None:
+            return self.fixed_splits
+        import triton
+
+        from ragcache_kernels.triton_attention import default_blocks, key_splits, multiprocessors
+
+        c = self.runner.config
+        block_m, block_n = default_blocks(c.head_dim, self.runner.dtype)
+        # sized for the longest prompt: a shorter one's slices are shorter, none is left idle
+        return key_splits(triton.cdiv(size, block_m) * c.num_heads, self.max_context, block_n,
+                          multiprocessors(self.runner.device))
+
+    def _capture(self, graph: SparseGraph) -> None:
+        device = self.runner.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compiles the Triton kernels and settles the allocator before capture
+                self._layers(graph)
+        torch.cuda.current_stream(device).wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        # thread_local: the store's copy stream may be busy on another thread meanwhile
+        with torch.cuda.graph(captured, pool=self._pool, capture_error_mode="thread_local"):
+            graph.logits = self._layers(graph)
+        graph.graph = captured
+
+    def _layers(self, graph: SparseGraph) -> torch.Tensor:
+        from ragcache_kernels.triton_prefill_table import LAST_ROW
+
+        runner, view = self.runner, graph.view
+        hidden = graph.hidden
+        for layer in range(graph.first_layer, runner.num_layers):
+            qkv = runner.qkv(layer, hidden)
+            q = view.store(layer, qkv.joint, runner.inv_freq)  # type: ignore[attr-defined]
+            attn = view.attend(layer, q)  # type: ignore[attr-defined]
+            hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn.reshape(graph.bucket, -1)))
+        last = hidden.index_select(0, graph.inputs[LAST_ROW : LAST_ROW + 1])
+        return runner.logits(last)[0]
+
+    # --- each prefill ------------------------------------------------------------------------------
+    def _fill(self, graph: SparseGraph, kv: KVBuffer, num_keys: int, rows: torch.Tensor,
+              hidden: torch.Tensor) -> None:
+        from ragcache_kernels import triton_prefill_table as table
+
+        count = int(rows.shape[0])
+        values = table.table_values(kv.keys_pre, kv.keys, kv.values, num_keys, count)
+        if graph.copied is not None:
+            graph.copied.synchronize()  # the previous table copy still reads the staging buffer
+        graph.staging.copy_(torch.tensor(values, dtype=torch.int64))
+        graph.inputs[: table.TABLE_SIZE].copy_(graph.staging, non_blocking=True)
+        if graph.inputs.device.type == "cuda":
+            graph.copied = torch.cuda.Event()
+            graph.copied.record()
+        positions = graph.inputs[table.TABLE_SIZE :]
+        positions[:count].copy_(rows)
+        # padded rows at the last position keep each query block's visible keys tight; they store
+        # nothing, and their hidden states (earlier requests' rows) stay finite
+        positions[count:].fill_(num_keys - 1)
+        graph.hidden[:count].copy_(hidden)
+
+    def _replay(self, graph: SparseGraph) -> None:
+        self.replays += 1
+        if graph.graph is not None:
+            graph.graph.replay()
+        else:
+            graph.logits = self._layers(graph)
