@@ -66,9 +66,14 @@ from engine_sidecar.bench.gpu_models import (
     random_runner,
 )
 from engine_sidecar.bench.gpu_tiles import tile_lines, tile_sweep
+from engine_sidecar.execution.prefill_graphs import PrefillGraphs
 
 SECTIONS = ("kernels", "guards", "ttft", "decode", "http", "tiles")  # gpu_args.SECTION_NAMES
 POLICIES = ("full", "reuse", "cacheblend:0.15", "cacheblend", "epic:16", "cachecraft:1")
+# measured again with --prefill-graphs on, on the same prompts (on a CPU nothing replays: the rows
+# show what the op-by-op path costs, with graph_replays 0)
+GRAPH_POLICIES = ("reuse", "cacheblend:0.15", "cacheblend", "epic:16")
+GRAPHS_SUFFIX = "+graphs"
 
 
 # --- the machine -----------------------------------------------------------------------------------
@@ -280,14 +285,42 @@ def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path
                     RAGCACHE_KERNELS=previous)
             out["triton_vs_torch_engine_max_abs"] = float((torch_logits.float() - triton_logits.float()).abs().max())
             out["graph_decode"] = graph_decode_guard(engine.runner, tolerance)
+            out["graph_prefill"] = graph_prefill_guard(engine, reordered, tolerance)
         out["tiers"] = tier_round_trip(device, dtype, work)
         out["pass"] = (out["full_vs_transformers_max_abs"] <= tolerance and out["cacheblend1_vs_full_max_abs"] <= tolerance
                        and out.get("triton_vs_torch_engine_max_abs", 0.0) <= 4 * tolerance and out["tiers"]["pass"]
-                       and out.get("graph_decode", {}).get("pass", True))
+                       and out.get("graph_decode", {}).get("pass", True)
+                       and out.get("graph_prefill", {}).get("pass", True))
         return out
     finally:
         engine.close()
         del reference
+
+
+def graph_prefill_guard(engine, prompt, tolerance: float) -> dict[str, Any]:
+    """Prefills whose layers after the policy's last choice replay from captured graphs against the
+    same prefills op by op: logits apart by at most `tolerance` with the same next token, a second
+    replay equal to the first, and graphs really captured and replayed."""
+    graphs = PrefillGraphs(engine.runner, engine.max_context)
+    out: dict[str, Any] = {}
+    for policy in GRAPH_POLICIES[:2]:
+        eager, _ = engine.prefill_logits(prompt, policy=policy)
+        replays = graphs.replays
+        engine.prefill_stage.graphs = graphs
+        try:
+            graphed, _ = engine.prefill_logits(prompt, policy=policy)
+            again, _ = engine.prefill_logits(prompt, policy=policy)
+        finally:
+            engine.prefill_stage.graphs = None
+        out[policy] = {"max_abs": float((graphed.float() - eager.float()).abs().max()),
+                       "argmax_equal": int(graphed.argmax()) == int(eager.argmax()),
+                       "replays": graphs.replays - replays, "second_replay_equal": bool(torch.equal(graphed, again))}
+    out["captured"] = bool(graphs.graphs) and all(g.graph is not None for g in graphs.graphs.values())
+    out["capture_failed"] = graphs.failed
+    out["pass"] = out["captured"] and all(
+        r["max_abs"] <= tolerance and r["argmax_equal"] and r["replays"] == 2 and r["second_replay_equal"]
+        for r in (out[p] for p in GRAPH_POLICIES[:2]))
+    return out
 
 
 def tier_round_trip(device: torch.device, dtype: torch.dtype, work: Path) -> dict[str, Any]:
@@ -399,6 +432,19 @@ def reuse_from_host_tier(engine, stored: list[str], device: torch.device, repeat
         store.ram, store.host = device_tier, host_tier
 
 
+def policy_row(engine, prompt, policy: str, device: torch.device, repeats: int) -> dict[str, Any]:
+    """One policy's median TTFT on `prompt`, its computed share, hits, launches and host syncs."""
+    seconds = timed(device, lambda: engine.prefill_logits(prompt, policy=policy)[0].float().sum(), repeats)
+    _, stats = engine.prefill_logits(prompt, policy=policy)
+    row = {"ttft_ms": round(seconds * 1e3, 2), "computed_fraction": round(stats.computed_fraction, 3),
+           "chunk_hits": stats.chunk_hits, "tokens": stats.prefill_tokens_total,
+           "launches": launches(device, lambda: engine.prefill_logits(prompt, policy=policy))}
+    if device.type == "cuda":
+        sites = host_sync_sites(lambda: engine.prefill_logits(prompt, policy=policy))
+        row.update(host_syncs=len(sites), host_sync_sites=site_counts(sites))
+    return row
+
+
 def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
                  args: argparse.Namespace, peaks: dict[str, float]) -> dict[str, Any]:
     from ragcache_integrations.types import ChunkedPrompt
@@ -411,20 +457,29 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
         engine.warm(stored)
         rows: dict[str, Any] = {}
         tokens = 0
-        for i, policy in enumerate(POLICIES):
+
+        def prompt_for(i: int) -> ChunkedPrompt:
             # the stored passages in a new order (no exact prefix), a question never seen
             order = stored[i % len(stored):] + stored[: i % len(stored)]
-            prompt = ChunkedPrompt(chunks=order[::-1] if i % 2 else order, question=f"{QUESTION} ({i})")
-            seconds = timed(device, lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol)[0].float().sum(),
-                            args.repeats)
-            _, stats = engine.prefill_logits(prompt, policy=policy)
-            tokens = stats.prefill_tokens_total
-            rows[policy] = {"ttft_ms": round(seconds * 1e3, 2), "computed_fraction": round(stats.computed_fraction, 3),
-                            "chunk_hits": stats.chunk_hits,
-                            "launches": launches(device, lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))}
-            if device.type == "cuda":
-                sites = host_sync_sites(lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))
-                rows[policy].update(host_syncs=len(sites), host_sync_sites=site_counts(sites))
+            return ChunkedPrompt(chunks=order[::-1] if i % 2 else order, question=f"{QUESTION} ({i})")
+
+        for i, policy in enumerate(POLICIES):
+            rows[policy] = policy_row(engine, prompt_for(i), policy, device, args.repeats)
+            tokens = rows[policy].pop("tokens")
+        # the same prompts again, their layers after the policy's last choice replayed from graphs
+        graphs = PrefillGraphs(engine.runner, engine.max_context)
+        engine.prefill_stage.graphs = graphs
+        try:
+            for policy in GRAPH_POLICIES:
+                replays = graphs.replays
+                row = policy_row(engine, prompt_for(POLICIES.index(policy)), policy, device, args.repeats)
+                row.pop("tokens")
+                row["graph_replays"] = graphs.replays - replays
+                if graphs.failed:
+                    row["graph_capture_failed"] = graphs.failed
+                rows[f"{policy} {GRAPHS_SUFFIX}"] = row
+        finally:
+            engine.prefill_stage.graphs = None
         rows[HOST_TIER_ROW] = reuse_from_host_tier(engine, stored, device, args.repeats)
         profile_policies(engine, stored, device, args, name)
     finally:
@@ -526,7 +581,11 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{guards['full_vs_transformers_max_abs']:.4g}, cacheblend:1.0 vs full "
                   f"{guards['cacheblend1_vs_full_max_abs']:.4g}"
                   + (f", Triton vs torch engine {guards['triton_vs_torch_engine_max_abs']:.4g}"
-                     if "triton_vs_torch_engine_max_abs" in guards else "") + f"; tolerance {guards['tolerance']}; "
+                     if "triton_vs_torch_engine_max_abs" in guards else "")
+                  + (", prefill graphs vs op by op " + ", ".join(
+                      f"{p} {guards['graph_prefill'][p]['max_abs']:.4g}" for p in GRAPH_POLICIES[:2]
+                      if p in guards["graph_prefill"]) if "graph_prefill" in guards else "")
+                  + f"; tolerance {guards['tolerance']}; "
                   + _tiers_line(guards.get("tiers", {})) + ")", ""]
     split = report.get("kernels", {}).get("few_queries_split_keys")
     if split:

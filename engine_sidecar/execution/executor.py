@@ -168,7 +168,8 @@ def fused_prefill(
     for layer in range(runner.num_layers):
         prefetcher.wait(layer)
         if layer == graph_from and graphs is not None:
-            replayed = graphs.run(run.kv, run.n, layer, rows.index, rows.hidden)
+            replayed = graphs.run((run.kv.keys_pre, run.kv.keys, run.kv.values), run.n, layer, rows.index,
+                                  rows.hidden)
             if replayed is not None:
                 token_layers += int(rows.index.shape[0]) * (runner.num_layers - layer)
                 clock.mark("prefill_sparse_layers_s")

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_sidecar.execution.executor import KVBuffer
 from engine_sidecar.model.runner import ModelRunner
 from ragcache_kernels import dispatch
 
@@ -36,6 +35,8 @@ log = logging.getLogger("ragcache.prefill_graphs")
 # Row buckets: a request's kept rows are padded up to the next one. Above the last, a layer's
 # device time outweighs its launches and the layers run op by op.
 BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
+# a request's KV buffer: keys before RoPE, rotated keys, values ([layers, capacity, kv_heads, head_dim])
+KVTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -95,7 +96,7 @@ class PrefillGraphs:
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
 
-    def serves(self, kv: KVBuffer, num_keys: int, rows: int) -> bool:
+    def serves(self, kv: KVTensors, num_keys: int, rows: int) -> bool:
         """Whether a graph can run the remaining layers of this prefill: its rows fit a bucket and
         are fewer than its keys (all rows active is full prefill, dense attention's job), and the
         table can describe its buffer."""
@@ -105,15 +106,16 @@ class PrefillGraphs:
             return False
         from ragcache_kernels.triton_prefill_table import addressable
 
-        return addressable(kv.keys_pre, kv.keys, kv.values)
+        return addressable(*kv)
 
     @torch.inference_mode()
-    def run(self, kv: KVBuffer, num_keys: int, first_layer: int, rows: torch.Tensor,
+    def run(self, kv: KVTensors, num_keys: int, first_layer: int, rows: torch.Tensor,
             hidden: torch.Tensor) -> torch.Tensor | None:
-        """Layers `first_layer`.. of a prefill over the buffer's first `num_keys` rows, for the
-        prompt rows `rows` [A] (device, ascending, the last one num_keys - 1) entering with
-        `hidden` [A, hidden]: their k and v stored in `kv`, and the last row's logits [vocab]
-        (fp32) returned. None when no graph serves it: the caller runs the layers op by op."""
+        """Layers `first_layer`.. of a prefill over the first `num_keys` rows of a KV buffer `kv`
+        (its keys before RoPE, rotated keys and values), for the prompt rows `rows` [A] (device,
+        ascending, the last one num_keys - 1) entering with `hidden` [A, hidden]: their k and v
+        stored in `kv`, and the last row's logits [vocab] (fp32) returned. None when no graph
+        serves it: the caller runs the layers op by op."""
         count = int(rows.shape[0])
         size = self.bucket(count)
         if size is None or not self.serves(kv, num_keys, count):
@@ -139,7 +141,8 @@ class PrefillGraphs:
         hidden = torch.zeros(size, c.hidden_size, dtype=self.runner.dtype, device=device)
         graph = SparseGraph(size, first_layer, inputs, staging, hidden, view)
         # warm-up and capture store into a one-row buffer of their own, never a request's
-        scratch = KVBuffer.allocate(self.runner, 1)
+        scratch = tuple(torch.zeros(c.num_layers, 1, c.num_kv_heads, c.head_dim, dtype=self.runner.dtype,
+                                    device=device) for _ in range(3))
         self._fill(graph, scratch, 1, torch.zeros(1, dtype=torch.int64, device=device), hidden[:1])
         if not self.capture:
             self.graphs[(size, first_layer)] = graph
@@ -195,12 +198,12 @@ class PrefillGraphs:
         return runner.logits(last)[0]
 
     # --- each prefill ------------------------------------------------------------------------------
-    def _fill(self, graph: SparseGraph, kv: KVBuffer, num_keys: int, rows: torch.Tensor,
+    def _fill(self, graph: SparseGraph, kv: KVTensors, num_keys: int, rows: torch.Tensor,
               hidden: torch.Tensor) -> None:
         from ragcache_kernels import triton_prefill_table as table
 
         count = int(rows.shape[0])
-        values = table.table_values(kv.keys_pre, kv.keys, kv.values, num_keys, count)
+        values = table.table_values(*kv, num_keys, count)
         if graph.copied is not None:
             graph.copied.synchronize()  # the previous table copy still reads the staging buffer
         graph.staging.copy_(torch.tensor(values, dtype=torch.int64))

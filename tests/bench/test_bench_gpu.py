@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_sidecar.bench.gpu import HOST_TIER_ROW, POLICIES
+from engine_sidecar.bench.gpu import GRAPH_POLICIES, GRAPHS_SUFFIX, HOST_TIER_ROW, POLICIES
 from engine_sidecar.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +30,12 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
     assert tiers["host_round_trip_equal"] and tiers["disk_copy_equal"]
     assert (tiers["host_hits"], tiers["host_demotions"]) == (1, 2)  # the second moves out for the first
     ttft = report["ttft_tiny"]
-    assert set(ttft["policies"]) == {*POLICIES, HOST_TIER_ROW} and ttft["tokens"] > 100
+    graph_rows = {f"{policy} {GRAPHS_SUFFIX}" for policy in GRAPH_POLICIES}
+    assert set(ttft["policies"]) == {*POLICIES, *graph_rows, HOST_TIER_ROW} and ttft["tokens"] > 100
+    # the same prompts with prefill graphs asked for: on a CPU nothing replays (they need CUDA),
+    # so these rows run the op-by-op path again and reuse the same chunks
+    assert all(ttft["policies"][row]["graph_replays"] == 0 for row in graph_rows)
+    assert ttft["policies"][f"reuse {GRAPHS_SUFFIX}"]["chunk_hits"] == 3
     from_host = ttft["policies"][HOST_TIER_ROW]
     # the passages and the template prefix before them all come from the host tier
     assert from_host["host_tier_hits"] >= from_host["chunk_hits"] == 3

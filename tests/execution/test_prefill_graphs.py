@@ -195,6 +195,30 @@ def test_what_no_graph_serves_runs_op_by_op(tiny64, triton_kernels, monkeypatch)
     assert small.replays == short.replays == 0 and not small.graphs and not short.graphs
 
 
+def test_the_engine_prefills_through_the_graphs(tiny64, triton_kernels, tmp_path):
+    """Stored passages asked in a new order: greedy answers under `reuse` and CacheBlend are the
+    same with the engine's prefill stage replaying graphs as without, and its prefills replayed."""
+    from engine_sidecar import Engine
+    from engine_sidecar.execution.prefill_graphs import PrefillGraphs
+    from ragcache_integrations import ChunkedPrompt
+
+    passages = ["The Nile flows north through Egypt into the Mediterranean Sea, past Cairo and its delta.",
+                "Kilimanjaro, the highest mountain in Africa, stands in Tanzania near the Kenyan border.",
+                "Lake Victoria is shared by Uganda, Kenya and Tanzania and feeds the White Nile."]
+    sampling = {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    with Engine.from_pretrained(tiny64, device="cpu", dtype="float32", disk=False, cache_dir=tmp_path) as engine:
+        engine.warm(passages)
+        prompts = [ChunkedPrompt(chunks=passages[::-1], question=f"Which river, {i}?") for i in range(2)]
+        plain = [engine.generate(p, sampling, policy=policy).token_ids
+                 for p, policy in zip(prompts, ("reuse", "cacheblend:0.3"), strict=True)]
+        graphs = PrefillGraphs(engine.runner, engine.max_context, capture=False, splits=2)
+        engine.prefill_stage.graphs = graphs
+        replayed = [engine.generate(p, sampling, policy=policy).token_ids
+                    for p, policy in zip(prompts, ("reuse", "cacheblend:0.3"), strict=True)]
+    assert replayed == plain and all(len(t) == 5 for t in plain)
+    assert graphs.replays == 2 and {first for _, first in graphs.graphs} == {0, 2}
+
+
 def test_each_policy_says_where_its_rows_stop_changing():
     from engine_sidecar.execution.policies.cachecraft import CacheCraftPolicy
     from engine_sidecar.execution.policies.registry import parse_policy
