@@ -35,6 +35,7 @@ from engine_sidecar.execution.kernel_warmup import warm_kernels
 from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import Policy, parse_policy
+from engine_sidecar.execution.policies.cacheblend import CacheBlendPolicy
 from engine_sidecar.execution.prefill_graphs import prefill_graphs
 from engine_sidecar.model.prepare import resolve_model_dir
 from engine_sidecar.model.runner import ModelRunner
@@ -115,7 +116,13 @@ class Engine:
         if runner.device.type == "cuda":
             # the Triton kernels compile now, not on the first requests that meet each of them
             log.info("GPU kernels compiled and run once in %.1f s", warm_kernels(runner))
-        return cls.from_runner(runner, model_dir, config)
+        engine = cls.from_runner(runner, model_dir, config)
+        graphs = engine.prefill_stage.graphs
+        if graphs is not None:
+            # layer 0 (reuse, epic, prophet) and the layer after CacheBlend's check (the default)
+            first = (0, CacheBlendPolicy().final_refine_layer(runner.num_layers) + 1)
+            log.info("%d prefill graphs captured in %.1f s", *graphs.capture_all(first))
+        return engine
 
     @classmethod
     def from_runner(cls, runner: ModelRunner, model_dir: Path, config: EngineConfig) -> Engine:

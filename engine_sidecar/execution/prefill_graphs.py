@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,18 @@ class PrefillGraphs:
             self._replay(graph)
             assert graph.logits is not None
             return graph.logits.clone()  # the next replay overwrites the graph's own
+
+    def capture_all(self, first_layers: tuple[int, ...]) -> tuple[int, float]:
+        """Every bucket's graph from each of these first layers, now (at load: the Triton kernels
+        compile and the graphs are captured before the first request, not on it). Returns how many
+        graphs there are and the seconds it took."""
+        started = time.perf_counter()
+        with self._lock, torch.inference_mode():
+            for first_layer in first_layers:
+                for size in self.buckets:
+                    if self.failed is None and (size, first_layer) not in self.graphs:
+                        self._build(size, first_layer)
+        return len(self.graphs), time.perf_counter() - started
 
     # --- building a bucket's graph ---------------------------------------------------------------
     def _build(self, size: int, first_layer: int) -> SparseGraph | None:

@@ -219,6 +219,24 @@ def test_the_engine_prefills_through_the_graphs(tiny64, triton_kernels, tmp_path
     assert graphs.replays == 2 and {first for _, first in graphs.graphs} == {0, 2}
 
 
+def test_capture_all_builds_every_bucket_that_requests_then_replay(tiny64, triton_kernels):
+    """What the engine captures at load on a GPU: every bucket from layer 0 and from the layer
+    after CacheBlend's check. Requests of both kinds then replay those graphs and build none."""
+    from engine_sidecar.execution.policies.cacheblend import CacheBlendPolicy
+    from engine_sidecar.execution.policies.plain import ReusePolicy
+    from engine_sidecar.execution.prefill_graphs import PrefillGraphs
+
+    runner = _runner(tiny64)
+    graphs = PrefillGraphs(runner, max_context=512, capture=False, splits=2, buckets=(16, 32, 64))
+    count, seconds = graphs.capture_all((0, 2))
+    assert count == 6 and seconds >= 0 and set(graphs.graphs) == {(b, f) for b in (16, 32, 64) for f in (0, 2)}
+    built = dict(graphs.graphs)
+    plan = _fused_plan(runner, 200)
+    for policy in (ReusePolicy(), CacheBlendPolicy(0.15)):
+        _same_result(_prefill(runner, plan, policy), _prefill(runner, plan, policy, graphs), 2e-3)
+    assert graphs.graphs == built and graphs.replays == 2
+
+
 def test_each_policy_says_where_its_rows_stop_changing():
     from engine_sidecar.execution.policies.cachecraft import CacheCraftPolicy
     from engine_sidecar.execution.policies.registry import parse_policy
