@@ -146,9 +146,9 @@ class BatchingConfig:
     prefill_graphs: PrefillGraphMode = setting("off", Flag(
         "--prefill-graphs", "on: on a GPU with the Triton kernels, a fused prefill's layers after the policy's last "
         "choice of rows (every layer under reuse, epic and prophet; those after the check under cacheblend) "
-        "replay a CUDA graph captured once per row bucket (16 to 1,024 rows; captured on first use) instead of "
-        "launching their kernels one by one; elsewhere it says so in the log and has no effect. off (default): "
-        "launched one by one"))
+        "replay a CUDA graph captured once per row bucket (16 to 1,024 rows; at load for reuse's and cacheblend's "
+        "first layers, else on first use) instead of launching their kernels one by one; elsewhere it says so in "
+        "the log and has no effect. off (default): launched one by one"))
 
 
 @dataclass
