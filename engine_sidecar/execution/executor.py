@@ -223,7 +223,7 @@ class _FusedRun:
         # `tempT`: the fused chunks' cached keys are scaled by 1/T once rotated, which divides every
         # query's logits on them by T (RoPE is linear); rows recomputed on a layer are overwritten there
         key_scale = 1.0 / policy.temperature if policy.temperature != 1.0 and bool(tempered.any()) else None
-        ids = to_device(torch.tensor(plan.token_ids, dtype=torch.long), device)
+        ids = to_device(plan.token_tensor(), device)
         return cls(runner, plan, policy, kv, ids, positions, cos, sin, has_cache, loaded, load_s, fused, tempered,
                    key_scale, lazy, observer)
 

@@ -211,7 +211,7 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
     # (never under a plan the executor accepts) has no prediction to offer
     finish_last = logits and depth == runner.num_layers and not bool(cached[n - 1])
     c = runner.config
-    ids = torch.tensor(plan.token_ids, dtype=torch.long, device=device)
+    ids = plan.token_tensor().to(device)
     positions = torch.arange(n, device=device)
     cos, sin = runner.rope_tables(positions)
     computed = computed.to(device)
