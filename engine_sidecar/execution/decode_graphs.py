@@ -27,6 +27,7 @@ import torch
 
 from engine_sidecar.engine_config import BatchingConfig
 from engine_sidecar.execution.executor import KVBuffer, decode_layers
+from engine_sidecar.execution.graph_capture import capture_step, graphs_unavailable
 from engine_sidecar.model.runner import ModelRunner
 from ragcache_kernels import dispatch
 
@@ -83,11 +84,7 @@ class DecodeGraphs:
     @staticmethod
     def unavailable(runner: ModelRunner) -> str | None:
         """Why this runner cannot decode from graphs, or None."""
-        if runner.device.type != "cuda":
-            return "CUDA graphs need a GPU"
-        if dispatch.resolve_backend(runner.device) != "triton":
-            return "graph decode needs the Triton kernels (RAGCACHE_KERNELS is not torch, and triton imports)"
-        return None
+        return graphs_unavailable(runner, "decode graphs")
 
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
@@ -150,17 +147,7 @@ class DecodeGraphs:
                           multiprocessors(self.runner.device))
 
     def _capture(self, graph: BucketGraph) -> None:
-        side = torch.cuda.Stream(self.runner.device)
-        side.wait_stream(torch.cuda.current_stream(self.runner.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compiles the Triton kernels and settles the allocator before capture
-                self._step(graph)
-        torch.cuda.current_stream(self.runner.device).wait_stream(side)
-        captured = torch.cuda.CUDAGraph()
-        # thread_local: the store's copy stream may be busy on another thread meanwhile
-        with torch.cuda.graph(captured, pool=self._pool, capture_error_mode="thread_local"):
-            graph.logits = self._step(graph)
-        graph.graph = captured
+        graph.graph, graph.logits = capture_step(self.runner.device, self._pool, lambda: self._step(graph))
 
     def _step(self, graph: BucketGraph) -> torch.Tensor:
         return decode_layers(self.runner, graph.inputs[TOKENS_ROW], graph.inputs[POSITION_ROW],

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_sidecar.execution.graph_capture import capture_step, graphs_unavailable
 from engine_sidecar.model.runner import ModelRunner
 from ragcache_kernels import dispatch
 
@@ -88,11 +89,7 @@ class PrefillGraphs:
     @staticmethod
     def unavailable(runner: ModelRunner) -> str | None:
         """Why this runner cannot replay prefill layers from graphs, or None."""
-        if runner.device.type != "cuda":
-            return "CUDA graphs need a GPU"
-        if dispatch.resolve_backend(runner.device) != "triton":
-            return "prefill graphs need the Triton kernels (RAGCACHE_KERNELS is not torch, and triton imports)"
-        return None
+        return graphs_unavailable(runner, "prefill graphs")
 
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
@@ -184,18 +181,7 @@ class PrefillGraphs:
                           multiprocessors(self.runner.device))
 
     def _capture(self, graph: SparseGraph) -> None:
-        device = self.runner.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compiles the Triton kernels and settles the allocator before capture
-                self._layers(graph)
-        torch.cuda.current_stream(device).wait_stream(side)
-        captured = torch.cuda.CUDAGraph()
-        # thread_local: the store's copy stream may be busy on another thread meanwhile
-        with torch.cuda.graph(captured, pool=self._pool, capture_error_mode="thread_local"):
-            graph.logits = self._layers(graph)
-        graph.graph = captured
+        graph.graph, graph.logits = capture_step(self.runner.device, self._pool, lambda: self._layers(graph))
 
     def _layers(self, graph: SparseGraph) -> torch.Tensor:
         from ragcache_kernels.triton_prefill_table import LAST_ROW
