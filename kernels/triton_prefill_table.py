@@ -30,7 +30,7 @@ from ragcache_kernels.triton_attention import (
     default_blocks,
     merge_splits_kernel,
 )
-from ragcache_kernels.triton_rope import rope_store_rows
+from ragcache_kernels.triton_rope import _rope_store_kernel
 
 # The table: the buffers' addresses, the layer stride (elements), the keys attended, the rows
 # stored, and the last stored row's index among the rows (where the logits are read)
@@ -78,9 +78,9 @@ def _store_from_table_kernel(
     keys_pre = tl.multiple_of(tl.load(TABLE + _KEYS_PRE).to(tl.pointer_type(dtype)), 16) + at_layer
     keys = tl.multiple_of(tl.load(TABLE + _KEYS).to(tl.pointer_type(dtype)), 16) + at_layer
     values = tl.multiple_of(tl.load(TABLE + _VALUES).to(tl.pointer_type(dtype)), 16) + at_layer
-    rope_store_rows(QKV, Q_OUT, keys_pre, keys, values, ROWS, INV_FREQ, num_queries, tl.load(TABLE + _NUM_ROWS),
-                    stride_src, stride_qt, stride_qh, NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
-                    HEAD_DIM, HALF, BLOCK_HALF, BLOCK_T)
+    _rope_store_kernel(QKV, Q_OUT, keys_pre, keys, values, ROWS, INV_FREQ, num_queries, tl.load(TABLE + _NUM_ROWS),
+                       stride_src, stride_qt, stride_qh, NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
+                       HEAD_DIM, HALF, BLOCK_HALF, BLOCK_T)
 
 
 @triton.jit(do_not_specialize=["layer", "num_queries"])

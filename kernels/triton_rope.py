@@ -126,34 +126,8 @@ def rotate_keys(
     return out
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit(do_not_specialize=["num_rows", "num_stored"])
 def _rope_store_kernel(
-    QKV,
-    Q_OUT,
-    K_PRE,
-    K_ROT,
-    V,
-    ROWS,
-    INV_FREQ,
-    num_rows,
-    stride_src,
-    stride_qt,
-    stride_qh,
-    stride_dt,
-    stride_dh,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
-    rope_store_rows(QKV, Q_OUT, K_PRE, K_ROT, V, ROWS, INV_FREQ, num_rows, num_rows, stride_src, stride_qt, stride_qh,
-                    stride_dt, stride_dh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_HALF, BLOCK_T)
-
-
-@triton.jit
-def rope_store_rows(
     QKV,
     Q_OUT,
     K_PRE,
@@ -246,7 +220,7 @@ def rope_and_store(joint: torch.Tensor, num_heads: int, num_kv_heads: int, rows:
         raise ValueError(f"inv_freq has {inv_freq.numel()} entries, expected head_dim/2 = {half}")
     block_t = 16 if joint.dtype == torch.float32 and half > 32 else 32
     _rope_store_kernel[(triton.cdiv(num_rows, block_t),)](
-        joint, q, keys_pre, keys, values, rows, inv_freq, num_rows, joint.stride(0), q.stride(0), q.stride(1),
+        joint, q, keys_pre, keys, values, rows, inv_freq, num_rows, num_rows, joint.stride(0), q.stride(0), q.stride(1),
         keys.stride(0), keys.stride(1), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_T=block_t,
     )
