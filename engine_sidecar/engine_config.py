@@ -18,8 +18,7 @@ Convention = Literal["isolated", "after-prefix"]
 # afterwards; inline: computed alone first, then fused (a miss costs twice); background: the
 # request computes it fresh and a worker computes it alone afterwards
 Precompute = Literal["in-place", "inline", "background"]
-DecodeGraphMode = Literal["auto", "off", "on"]
-PrefillGraphMode = Literal["off", "on"]
+GraphMode = Literal["auto", "off", "on"]
 
 FLAT = "flat"  # field metadata: the setting's flat keyword name, where it differs from the field's
 FLAG = "flag"  # field metadata: the setting's command-line flag (a Flag), where it has one
@@ -136,14 +135,14 @@ class BatchingConfig:
     kv_bytes: int = setting(4 << 30, Flag("--batch-kv-gb", "KV of the running requests together, prompt + "
                                           "max_tokens each; a request that does not fit waits (one always runs)",
                                           parse="non_negative", unit=GIB), flat="batch_kv_bytes")
-    graphs: DecodeGraphMode = setting("auto", Flag(
+    graphs: GraphMode = setting("auto", Flag(
         "--decode-graphs", "auto (default) or on: on a GPU with the Triton kernels, each decode step replays a CUDA "
         "graph captured once per batch size (1, 2, 4, ... up to --max-batch; captured on first use), instead of "
         "launching hundreds of kernels one by one; off: launched one by one. auto decodes op by op where graphs "
         "cannot run (a CPU), on says so in the log"), flat="decode_graphs")
     # off until measured on a card: the replayed layers match the op-by-op ones on the CPU's
     # Triton interpreter, and `ragcache bench gpu` measures and guards both side by side
-    prefill_graphs: PrefillGraphMode = setting("off", Flag(
+    prefill_graphs: GraphMode = setting("off", Flag(
         "--prefill-graphs", "on: on a GPU with the Triton kernels, a fused prefill's layers after the policy's last "
         "choice of rows (every layer under reuse, epic and prophet; those after the check under cacheblend) "
         "replay a CUDA graph captured once per row bucket (16 to 1,024 rows; at load for reuse's and cacheblend's "

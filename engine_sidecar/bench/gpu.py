@@ -66,7 +66,7 @@ from engine_sidecar.bench.gpu_models import (
     random_runner,
 )
 from engine_sidecar.bench.gpu_tiles import tile_lines, tile_sweep
-from engine_sidecar.execution.prefill_graphs import PrefillGraphs
+from engine_sidecar.execution.prefill_graphs import PrefillGraphs, load_first_layers
 
 SECTIONS = ("kernels", "guards", "ttft", "decode", "http", "tiles")  # gpu_args.SECTION_NAMES
 POLICIES = ("full", "reuse", "cacheblend:0.15", "cacheblend", "epic:16", "cachecraft:1")
@@ -302,16 +302,18 @@ def graph_prefill_guard(engine, prompt, tolerance: float) -> dict[str, Any]:
     same prefills op by op: logits apart by at most `tolerance` with the same next token, a second
     replay equal to the first, and graphs really captured and replayed."""
     graphs = PrefillGraphs(engine.runner, engine.max_context)
+    own = engine.prefill_stage.graphs  # the engine's own, by its --prefill-graphs: set aside
     out: dict[str, Any] = {}
     for policy in GRAPH_POLICIES[:2]:
-        eager, _ = engine.prefill_logits(prompt, policy=policy)
-        replays = graphs.replays
-        engine.prefill_stage.graphs = graphs
+        engine.prefill_stage.graphs = None
         try:
+            eager, _ = engine.prefill_logits(prompt, policy=policy)
+            replays = graphs.replays
+            engine.prefill_stage.graphs = graphs
             graphed, _ = engine.prefill_logits(prompt, policy=policy)
             again, _ = engine.prefill_logits(prompt, policy=policy)
         finally:
-            engine.prefill_stage.graphs = None
+            engine.prefill_stage.graphs = own
         out[policy] = {"max_abs": float((graphed.float() - eager.float()).abs().max()),
                        "argmax_equal": int(graphed.argmax()) == int(eager.argmax()),
                        "replays": graphs.replays - replays, "second_replay_equal": bool(torch.equal(graphed, again))}
@@ -389,20 +391,26 @@ def tier_round_trip(device: torch.device, dtype: torch.dtype, work: Path) -> dic
 HOST_TIER_ROW = "reuse (host tier)"
 
 
-def profile_policies(engine, stored: list[str], device: torch.device, args: argparse.Namespace, shape: str) -> None:
+def profile_policies(engine, stored: list[str], device: torch.device, args: argparse.Namespace, shape: str,
+                     graphs: PrefillGraphs | None = None) -> None:
     """For each policy of `--profile`, one request through torch.profiler (operators) and cProfile
-    (Python functions), into profile-SHAPE.txt beside the JSON."""
+    (Python functions), into profile-SHAPE.txt beside the JSON; with `graphs`, the policies of
+    GRAPH_POLICIES again with their layers replayed (appended, marked +graphs)."""
     from ragcache_integrations.types import ChunkedPrompt
 
     wanted = [p.strip() for p in getattr(args, "profile", "").split(",") if p.strip()]
+    if graphs is not None:
+        wanted = [p for p in wanted if p in GRAPH_POLICIES]
     if not wanted:
         return
     parts = []
     for i, policy in enumerate(wanted):
         prompt = ChunkedPrompt(chunks=stored[i:] + stored[:i], question=f"{QUESTION} (profiled {i})")
         table = profile_tables(device, lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))
-        parts.append(f"=== {policy}, {shape} shape\n{table}")
-    (args.out / f"profile-{shape}.txt").write_text("\n\n".join(parts) + "\n")
+        parts.append(f"=== {policy}{' ' + GRAPHS_SUFFIX if graphs else ''}, {shape} shape\n{table}")
+    path = args.out / f"profile-{shape}.txt"
+    earlier = path.read_text() + "\n" if graphs is not None and path.exists() else ""
+    path.write_text(earlier + "\n\n".join(parts) + "\n")
 
 
 def reuse_from_host_tier(engine, stored: list[str], device: torch.device, repeats: int) -> dict[str, Any]:
@@ -451,7 +459,9 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
 
     shape = SHAPES[name]
     folder = model_folder(shape, tokenizer_dir, work / f"model-{name}")
-    engine = engine_on(random_runner(folder, device, dtype), folder, ram_cache_bytes=args.ram_bytes)
+    # op by op whatever the default: the +graphs rows below replay the same prompts
+    engine = engine_on(random_runner(folder, device, dtype), folder, ram_cache_bytes=args.ram_bytes,
+                       prefill_graphs="off")
     try:
         stored = passages(args.passages, args.passage_tokens, lambda t: engine.builder.tokenizer.encode(t), args.data)
         engine.warm(stored)
@@ -466,8 +476,14 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
         for i, policy in enumerate(POLICIES):
             rows[policy] = policy_row(engine, prompt_for(i), policy, device, args.repeats)
             tokens = rows[policy].pop("tokens")
-        # the same prompts again, their layers after the policy's last choice replayed from graphs
+        profile_policies(engine, stored, device, args, name)
+        # the same prompts again, their layers after the policy's last choice replayed from graphs,
+        # captured first as the engine does at load
         graphs = PrefillGraphs(engine.runner, engine.max_context)
+        captured, capture_s = graphs.capture_all(load_first_layers(engine.runner.num_layers))
+        capture = {"graphs": captured, "seconds": round(capture_s, 2)}
+        if graphs.failed:
+            capture["failed"] = graphs.failed
         engine.prefill_stage.graphs = graphs
         try:
             for policy in GRAPH_POLICIES:
@@ -478,10 +494,10 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
                 if graphs.failed:
                     row["graph_capture_failed"] = graphs.failed
                 rows[f"{policy} {GRAPHS_SUFFIX}"] = row
+            profile_policies(engine, stored, device, args, name, graphs)
         finally:
             engine.prefill_stage.graphs = None
         rows[HOST_TIER_ROW] = reuse_from_host_tier(engine, stored, device, args.repeats)
-        profile_policies(engine, stored, device, args, name)
     finally:
         engine.close()
         if device.type == "cuda":
@@ -491,7 +507,8 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
     for row in rows.values():
         row["speedup_vs_full"] = round(full / row["ttft_ms"], 2)
     weights_ms = param_bytes(shape, dtype) / (peaks["bandwidth_gb_s"] * 1e9) * 1e3
-    return {"tokens": tokens, "policies": rows, "transformers_full_ms": round(hf_s * 1e3, 2),
+    return {"tokens": tokens, "policies": rows, "prefill_graph_capture": capture,
+            "transformers_full_ms": round(hf_s * 1e3, 2),
             "full_vs_transformers": round(full / (hf_s * 1e3), 2),
             "floor_weights_read_ms": round(weights_ms, 3),
             "floor_full_prefill_ms": round(prefill_flops(shape, tokens) / (peaks["matmul_tflop_s"] * 1e12) * 1e3, 2)}
@@ -616,6 +633,11 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [f"Launches per request ({unit}): " + ", ".join(f"{name} {r['launches']}"
                                                                    for name, r in value["policies"].items()
                                                                    if "launches" in r), ""]
+            capture = value.get("prefill_graph_capture")
+            if capture:
+                lines += [f"Prefill graphs captured before the +graphs rows (as at load): {capture['graphs']} in "
+                          f"{capture['seconds']} s" + (f"; capture failed: {capture['failed']}"
+                                                       if capture.get("failed") else ""), ""]
             if any("host_syncs" in r for r in value["policies"].values()):
                 lines += ["Host syncs per request: " + ", ".join(f"{name} {r.get('host_syncs')}"
                                                                  for name, r in value["policies"].items()), ""]

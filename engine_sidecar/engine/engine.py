@@ -35,8 +35,7 @@ from engine_sidecar.execution.kernel_warmup import warm_kernels
 from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import Policy, parse_policy
-from engine_sidecar.execution.policies.cacheblend import CacheBlendPolicy
-from engine_sidecar.execution.prefill_graphs import prefill_graphs
+from engine_sidecar.execution.prefill_graphs import load_first_layers, prefill_graphs
 from engine_sidecar.model.prepare import resolve_model_dir
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.paths import default_cache_dir
@@ -119,9 +118,7 @@ class Engine:
         engine = cls.from_runner(runner, model_dir, config)
         graphs = engine.prefill_stage.graphs
         if graphs is not None:
-            # layer 0 (reuse, epic, prophet) and the layer after CacheBlend's check (the default)
-            first = (0, CacheBlendPolicy().final_refine_layer(runner.num_layers) + 1)
-            log.info("%d prefill graphs captured in %.1f s", *graphs.capture_all(first))
+            log.info("%d prefill graphs captured in %.1f s", *graphs.capture_all(load_first_layers(runner.num_layers)))
         return engine
 
     @classmethod

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_sidecar.execution.graph_capture import capture_step, graphs_unavailable
+from engine_sidecar.execution.policies.cacheblend import CacheBlendPolicy
 from engine_sidecar.model.runner import ModelRunner
 from ragcache_kernels import dispatch
 
@@ -54,6 +55,12 @@ class SparseGraph:
     logits: torch.Tensor | None = None  # [vocab] fp32, a replay's output
     graph: torch.cuda.CUDAGraph | None = None  # None: the layers run op by op (a CPU, in tests)
     copied: torch.cuda.Event | None = None  # the last table copy: staging is free again after it
+
+
+def load_first_layers(num_layers: int) -> tuple[int, ...]:
+    """The first layers whose graphs are captured at load: layer 0 (`reuse`, `epic`, `prophet`)
+    and the layer after CacheBlend's check (the default policy)."""
+    return tuple(sorted({0, CacheBlendPolicy().final_refine_layer(num_layers) + 1}))
 
 
 def prefill_graphs(runner: ModelRunner, mode: str, max_context: int) -> PrefillGraphs | None:
