@@ -140,14 +140,12 @@ class BatchingConfig:
         "graph captured once per batch size (1, 2, 4, ... up to --max-batch; captured on first use), instead of "
         "launching hundreds of kernels one by one; off: launched one by one. auto decodes op by op where graphs "
         "cannot run (a CPU), on says so in the log"), flat="decode_graphs")
-    # off until measured on a card: the replayed layers match the op-by-op ones on the CPU's
-    # Triton interpreter, and `ragcache bench gpu` measures and guards both side by side
-    prefill_graphs: GraphMode = setting("off", Flag(
-        "--prefill-graphs", "on: on a GPU with the Triton kernels, a fused prefill's layers after the policy's last "
-        "choice of rows (every layer under reuse, epic and prophet; those after the check under cacheblend) "
-        "replay a CUDA graph captured once per row bucket (16 to 1,024 rows; at load for reuse's and cacheblend's "
-        "first layers, else on first use) instead of launching their kernels one by one; elsewhere it says so in "
-        "the log and has no effect. off (default): launched one by one"))
+    prefill_graphs: GraphMode = setting("auto", Flag(
+        "--prefill-graphs", "auto (default) or on: on a GPU with the Triton kernels, a fused prefill's layers after "
+        "the policy's last choice of rows (every layer under reuse, epic and prophet; those after the check under "
+        "cacheblend) replay a CUDA graph captured once per row bucket (16 to 1,024 rows; at load for reuse's and "
+        "cacheblend's first layers, else on first use) instead of launching their kernels one by one; auto runs op "
+        "by op where graphs cannot run (a CPU), on says so in the log. off: launched one by one"))
 
 
 @dataclass

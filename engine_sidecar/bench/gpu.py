@@ -406,8 +406,11 @@ def profile_policies(engine, stored: list[str], device: torch.device, args: argp
     parts = []
     for i, policy in enumerate(wanted):
         prompt = ChunkedPrompt(chunks=stored[i:] + stored[:i], question=f"{QUESTION} (profiled {i})")
-        table = profile_tables(device, lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol))
-        parts.append(f"=== {policy}{' ' + GRAPHS_SUFFIX if graphs else ''}, {shape} shape\n{table}")
+        label = f"{policy}{' ' + GRAPHS_SUFFIX if graphs else ''}"
+        trace = args.out / "traces" / f"{shape}-{label.replace(' ', '').replace(':', '_').replace('+', '-')}.json"
+        table = profile_tables(device, lambda p=prompt, pol=policy: engine.prefill_logits(p, policy=pol),
+                               trace=trace if device.type == "cuda" else None)
+        parts.append(f"=== {label}, {shape} shape\n{table}")
     path = args.out / f"profile-{shape}.txt"
     earlier = path.read_text() + "\n" if graphs is not None and path.exists() else ""
     path.write_text(earlier + "\n\n".join(parts) + "\n")

@@ -10,6 +10,7 @@ import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,9 +128,11 @@ def launches(device: torch.device, fn: Callable[[], Any]) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def profile_tables(device: torch.device, fn: Callable[[], Any], rows: int = 25) -> str:
+def profile_tables(device: torch.device, fn: Callable[[], Any], rows: int = 25, trace: Path | None = None) -> str:
     """Where one call of `fn` spends its time: torch.profiler's operators by total device time
-    (on CUDA) and by host self time, as text tables (after one call outside the profiler)."""
+    (on CUDA) and by host self time, as text tables (after one call outside the profiler); on
+    CUDA also the call's timeline (when the device starts, its busy time and its idle gaps), and
+    the profiler's trace written to `trace` when given."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -138,13 +141,46 @@ def profile_tables(device: torch.device, fn: Callable[[], Any], rows: int = 25) 
     with _stderr_silenced(), profile(activities=activities) as prof:
         fn()
         sync(device)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
     averages = prof.key_averages()
     parts = []
     if device.type == "cuda":
+        try:
+            parts.append(timeline(prof.events()))
+        except Exception as exc:  # noqa: BLE001 - a profiler without these fields must not lose the tables
+            parts.append(f"timeline: not available ({type(exc).__name__}: {exc})")
         parts.append(averages.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
     parts.append(averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
     parts.append(python_profile(device, fn, rows))
     return "\n".join(parts)
+
+
+def timeline(events: Any, gap_us: float = 20.0, shown: int = 8) -> str:
+    """One profiled call on a timeline: from the first host op to the device's first kernel, the
+    device's busy and idle time up to its last, and its longest idle gaps with the host ops that
+    ran meanwhile (what the device waited for)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    device_spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == cuda)
+    host = [e for e in events if e.device_type != cuda and e.cpu_parent is None]
+    if not device_spans or not host:
+        return "timeline: no device work recorded"
+    begin = min(e.time_range.start for e in host)
+    busy, gaps, end = 0.0, [], device_spans[0][0]
+    for start, stop in device_spans:
+        if start - end > gap_us:
+            gaps.append((start - end, end, start))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    lines = [f"timeline (µs from the first host op): device starts at {device_spans[0][0] - begin:.0f}, ends at "
+             f"{end - begin:.0f}; busy {busy:.0f}, idle {end - device_spans[0][0] - busy:.0f} "
+             f"({len(gaps)} gaps over {gap_us:.0f} µs)"]
+    for length, start, stop in sorted(gaps, reverse=True)[:shown]:
+        meanwhile = [e.name for e in host if e.time_range.start < stop and e.time_range.end > start]
+        names = ", ".join(dict.fromkeys(meanwhile)) or "nothing recorded"
+        lines.append(f"  gap {length:.0f} µs at {start - begin:.0f}: host ran {names[:300]}")
+    return "\n".join(lines) + "\n"
 
 
 def python_profile(device: torch.device, fn: Callable[[], Any], rows: int = 25, calls: int = 5) -> str:

@@ -256,8 +256,11 @@ def test_a_cpu_engine_ignores_the_setting_and_says_so(tiny64, tmp_path, caplog):
     from engine_sidecar import Engine
     from engine_sidecar.engine_config import EngineConfig
 
-    assert EngineConfig().batching.prefill_graphs == "off"
+    assert EngineConfig().batching.prefill_graphs == "auto"
     with caplog.at_level(logging.WARNING, logger="ragcache.prefill_graphs"):
+        with Engine.from_pretrained(tiny64, device="cpu", dtype="float32", disk=False, cache_dir=tmp_path) as engine:
+            assert engine.prefill_stage.graphs is None
+        assert "no effect" not in caplog.text  # the default runs op by op where graphs cannot, silently
         with Engine.from_pretrained(tiny64, device="cpu", dtype="float32", disk=False, cache_dir=tmp_path,
                                     prefill_graphs="on") as engine:
             assert engine.prefill_stage.graphs is None
