@@ -484,16 +484,17 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
         # captured first as the engine does at load
         graphs = PrefillGraphs(engine.runner, engine.max_context)
         captured, capture_s = graphs.capture_all(load_first_layers(engine.runner.num_layers))
-        capture = {"graphs": captured, "seconds": round(capture_s, 2)}
+        capture = {"graphs": captured, "seconds": round(capture_s, 2), "timed": graphs.summary()}
         if graphs.failed:
             capture["failed"] = graphs.failed
         engine.prefill_stage.graphs = graphs
         try:
             for policy in GRAPH_POLICIES:
-                replays = graphs.replays
+                replays, launched = graphs.replays, graphs.launched
                 row = policy_row(engine, prompt_for(POLICIES.index(policy)), policy, device, args.repeats)
                 row.pop("tokens")
                 row["graph_replays"] = graphs.replays - replays
+                row["graph_op_by_op"] = graphs.launched - launched  # a graph served it, op by op was faster
                 if graphs.failed:
                     row["graph_capture_failed"] = graphs.failed
                 rows[f"{policy} {GRAPHS_SUFFIX}"] = row
@@ -641,6 +642,12 @@ def markdown(report: dict[str, Any]) -> str:
                 lines += [f"Prefill graphs captured before the +graphs rows (as at load): {capture['graphs']} in "
                           f"{capture['seconds']} s" + (f"; capture failed: {capture['failed']}"
                                                        if capture.get("failed") else ""), ""]
+                timed = [g for g in capture.get("timed", []) if g["launch_ms"] is not None]
+                if timed:
+                    lines += ["Each graph timed at capture (ms): rows/first layer launch op by op → replay"
+                              + " (✗: op by op is faster, runs op by op): "
+                              + ", ".join(f"{g['rows']}/{g['first_layer']} {g['launch_ms']}→{g['replay_ms']}"
+                                          + ("" if g["replays"] else " ✗") for g in timed), ""]
             if any("host_syncs" in r for r in value["policies"].values()):
                 lines += ["Host syncs per request: " + ", ".join(f"{name} {r.get('host_syncs')}"
                                                                  for name, r in value["policies"].items()), ""]

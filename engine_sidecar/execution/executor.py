@@ -10,6 +10,7 @@ Tokens not active keep their cached KV, which is what makes reuse cheap.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -223,7 +224,7 @@ class _FusedRun:
         # `tempT`: the fused chunks' cached keys are scaled by 1/T once rotated, which divides every
         # query's logits on them by T (RoPE is linear); rows recomputed on a layer are overwritten there
         key_scale = 1.0 / policy.temperature if policy.temperature != 1.0 and bool(tempered.any()) else None
-        ids = to_device(plan.token_tensor(), device)
+        ids = plan_token_ids(plan, device)
         return cls(runner, plan, policy, kv, ids, positions, cos, sin, has_cache, loaded, load_s, fused, tempered,
                    key_scale, lazy, observer)
 
@@ -340,6 +341,36 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def plan_token_ids(plan: FusionPlan, device: torch.device) -> torch.Tensor:
+    """Every token id of the plan as int64 on `device`. A cached span's ids are its entry's, already
+    there when the entry is; the rest (question, template, misses) cross once, together: converting
+    a long prompt's Python ints was a third of a GPU request's host time before its first layer."""
+    fresh = array("q")
+    pieces: list[torch.Tensor | tuple[int, int]] = []
+    for span in plan.spans:
+        ids = None if span.cached is None or span.cached.reader is not None else span.cached.token_ids
+        if ids is not None and ids.device == device and ids.dtype == torch.int64 and ids.shape[0] == len(span):
+            pieces.append(ids)
+        else:
+            pieces.append((len(fresh), len(span)))
+            fresh.extend(span.token_ids)
+    moved = to_device(torch.frombuffer(fresh, dtype=torch.int64), device) if fresh else None
+    parts = [p if isinstance(p, torch.Tensor) else moved[p[0] : p[0] + p[1]]  # type: ignore[index]
+             for p in pieces]
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _mask(n: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """[n] bool on the host, true on the rows of these (start, end) spans: made in a bytearray, where
+    a slice fill per span in torch costs a few microseconds each."""
+    flags = bytearray(n)
+    for start, end in spans:
+        flags[start:end] = b"\x01" * (end - start)
+    return torch.frombuffer(flags, dtype=torch.bool) if n else torch.zeros(0, dtype=torch.bool)
+
+
 def kept_indices(keep: torch.Tensor | KeptRows, device: torch.device) -> torch.Tensor:
     """The rows a `refine` keeps, ascending, on the device. With the count known on the host
     (KeptRows) no sync; a bare mask reads its count back once (the next layer's row count): the
@@ -356,28 +387,24 @@ def _load_cached(kv: KVBuffer, plan: FusionPlan) -> tuple[torch.Tensor, int, flo
     """Copy the RAM-tier KV of the plan's cached spans into the buffer (disk-tier spans arrive a
     layer at a time later). Returns the rows holding cached KV ([n] bool, on the host), how many
     rows were copied, and the seconds it took."""
-    has_cache = torch.zeros(plan.num_tokens, dtype=torch.bool)
     started = time.perf_counter()
     loaded = 0
+    cached: list[tuple[int, int]] = []
     for span in plan.spans:
         if span.cached is not None and span.mode != "fresh":
             if span.cached.reader is None:
                 kv.keys_pre[:, span.start : span.end] = span.cached.keys
                 kv.values[:, span.start : span.end] = span.cached.values
                 loaded += len(span)
-            has_cache[span.start : span.end] = True
-    return has_cache, loaded, time.perf_counter() - started
+            cached.append((span.start, span.end))
+    return _mask(plan.num_tokens, cached), loaded, time.perf_counter() - started
 
 
 def _fused_rows(plan: FusionPlan, policy: Policy) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of fused chunks, and those of them `tempT` scales ([n] bool each, on the host)."""
-    fused = torch.zeros(plan.num_tokens, dtype=torch.bool)
-    tempered = torch.zeros(plan.num_tokens, dtype=torch.bool)
-    for span in plan.spans:
-        if span.mode == "fuse":
-            fused[span.start : span.end] = True
-            tempered[span.start : span.end] = is_tempered(span.cached, policy)
-    return fused, tempered
+    fused = [(s.start, s.end) for s in plan.spans if s.mode == "fuse"]
+    tempered = [(s.start, s.end) for s in plan.spans if s.mode == "fuse" and is_tempered(s.cached, policy)]
+    return _mask(plan.num_tokens, fused), _mask(plan.num_tokens, tempered)
 
 
 def is_tempered(cached: ChunkKV | None, policy: Policy) -> bool:

@@ -159,6 +159,30 @@ def test_reuse_through_the_graphs_equals_op_by_op(tiny64, triton_kernels, dtype)
     assert set(graphs.graphs) == {(20, 0)} and graphs.replays == 1
 
 
+def test_a_graph_slower_than_its_launches_runs_op_by_op(tiny64, triton_kernels):
+    """A graph timed at capture as slower to replay than its layers are to launch (a large model's
+    many padded rows) serves its prefills op by op, with the op-by-op result; one timed faster
+    replays."""
+    from engine_sidecar.execution.policies.plain import ReusePolicy
+    from engine_sidecar.execution.prefill_graphs import PrefillGraphs
+
+    runner = _runner(tiny64, "float32")
+    plan = _fused_plan(runner, 160)
+    graphs = PrefillGraphs(runner, max_context=512, capture=False, splits=2, buckets=(20, 64))
+    graphs.capture_all((0,))
+    graph = graphs.graphs[(20, 0)]
+    assert graph.replays_faster  # untimed (no device to time it on): replays
+    eager = _prefill(runner, plan, ReusePolicy())
+    graph.launch_s, graph.replay_s = 1e-3, 2e-3
+    _same_result(eager, _prefill(runner, plan, ReusePolicy(), graphs), 2e-3)
+    assert (graphs.replays, graphs.launched) == (0, 1)
+    assert graphs.summary()[0] == {"rows": 20, "first_layer": 0, "launch_ms": 1.0, "replay_ms": 2.0,
+                                   "replays": False}
+    graph.replay_s = 0.5e-3
+    _same_result(eager, _prefill(runner, plan, ReusePolicy(), graphs), 2e-3)
+    assert (graphs.replays, graphs.launched) == (1, 1)
+
+
 def test_cacheblend_replays_the_layers_after_its_check(tiny64, triton_kernels):
     """CacheBlend chooses at layer 1: layers 0 and 1 run op by op, layer 2 from the graph; a second,
     shorter prompt whose kept rows (44, then 37) fall in the same bucket replays the same graph."""
