@@ -484,7 +484,7 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
         # captured first as the engine does at load
         graphs = PrefillGraphs(engine.runner, engine.max_context)
         captured, capture_s = graphs.capture_all(load_first_layers(engine.runner.num_layers))
-        capture = {"graphs": captured, "seconds": round(capture_s, 2), "timed": graphs.summary()}
+        capture = {"graphs": captured, "seconds": round(capture_s, 2), "timed": graphs.summary(tokens)}
         if graphs.failed:
             capture["failed"] = graphs.failed
         engine.prefill_stage.graphs = graphs

@@ -16,12 +16,14 @@ once, they replay as one launch. They are capturable because:
   following the request's key count on the device;
 - nothing inside reads a value back to the host; the graph ends with the last row's logits.
 
-A graph replays only where that is faster. Its rows are padded to the bucket, so a layer whose
-device time outweighs its launches (many rows of a large model: CacheBlend's 15% of an 8B
-prompt) runs faster op by op. Each graph is timed once when captured: the host's time to launch
-its layers op by op and the device's time to replay them. Replaying wins while the device's time
-is under the host's (op by op, the device waits for the launches); otherwise the layers run op by
-op, where the device's time for the unpadded rows is the bound.
+A graph replays only where that is faster. Its rows are padded to the bucket, so layers whose
+device time outweighs their launches (many rows of a large model: CacheBlend's 15% of an 8B
+prompt) run faster op by op. Each graph is timed once when captured: the host's time to launch
+its layers op by op and the device's time to replay them. Op by op, those launches also overlap
+the device's work on the layers before the graph's first (CacheBlend's dense layers over every
+row of the prompt, estimated from the graph's own time per row and layer). A prefill replays
+when the replay's time is under the launches' time left after that overlap; otherwise the device
+is the bound either way and the unpadded rows op by op cost less.
 
 The request's KV buffer stays where the prefill put it: the table holds its addresses.
 """
@@ -65,10 +67,14 @@ class SparseGraph:
     launch_s: float | None = None  # the host's time to launch these layers op by op, timed at capture
     replay_s: float | None = None  # the device's time to replay them, timed at capture
 
-    @property
-    def replays_faster(self) -> bool:
-        """Whether replaying beats launching op by op (untimed, as on a CPU: replay)."""
-        return self.launch_s is None or self.replay_s is None or self.replay_s < self.launch_s
+    def replays_faster(self, num_keys: int, num_layers: int) -> bool:
+        """Whether replaying these layers of a prefill over `num_keys` prompt rows beats launching
+        them op by op (untimed, as on a CPU: replay)."""
+        if self.launch_s is None or self.replay_s is None:
+            return True
+        # op by op, the launches overlap the device's work on the layers before, over every row
+        per_row_layer_s = self.replay_s / (self.bucket * (num_layers - self.first_layer))
+        return self.replay_s < self.launch_s - self.first_layer * num_keys * per_row_layer_s
 
 
 def load_first_layers(num_layers: int) -> tuple[int, ...]:
@@ -144,7 +150,7 @@ class PrefillGraphs:
             graph = self.graphs.get((size, first_layer)) or self._build(size, first_layer)
             if graph is None:
                 return None
-            if not graph.replays_faster:
+            if not graph.replays_faster(num_keys, self.runner.num_layers):
                 self.launched += 1
                 return None
             self._fill(graph, kv, num_keys, rows, hidden)
@@ -205,12 +211,14 @@ class PrefillGraphs:
         return key_splits(triton.cdiv(size, block_m) * c.num_heads, self.max_context, block_n,
                           multiprocessors(self.runner.device))
 
-    def summary(self) -> list[dict[str, object]]:
-        """Each graph: its rows and first layer, its timings at capture (ms) and whether it replays."""
+    def summary(self, num_keys: int) -> list[dict[str, object]]:
+        """Each graph: its rows and first layer, its timings at capture (ms) and whether it replays
+        a prefill over `num_keys` prompt rows."""
         return [{"rows": size, "first_layer": first,
                  "launch_ms": None if g.launch_s is None else round(g.launch_s * 1e3, 3),
                  "replay_ms": None if g.replay_s is None else round(g.replay_s * 1e3, 3),
-                 "replays": g.replays_faster} for (size, first), g in sorted(self.graphs.items())]
+                 "replays": g.replays_faster(num_keys, self.runner.num_layers)}
+                for (size, first), g in sorted(self.graphs.items())]
 
     def _capture(self, graph: SparseGraph) -> None:
         graph.graph, graph.logits = capture_step(self.runner.device, self._pool, lambda: self._layers(graph))
@@ -218,13 +226,17 @@ class PrefillGraphs:
 
     def _time(self, graph: SparseGraph) -> tuple[float, float]:
         """The host's seconds to launch the graph's layers op by op (the device idle, so nothing
-        waits) and the device's seconds to replay them."""
+        waits; the shorter of two tries, the first may meet a one-time cost) and the device's
+        seconds to replay them."""
         assert graph.graph is not None
         device = self.runner.device
+        launch_s = float("inf")
+        for _ in range(2):
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            self._layers(graph)
+            launch_s = min(launch_s, time.perf_counter() - started)
         torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        self._layers(graph)
-        launch_s = time.perf_counter() - started
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         graph.graph.replay()

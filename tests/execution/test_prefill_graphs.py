@@ -171,16 +171,32 @@ def test_a_graph_slower_than_its_launches_runs_op_by_op(tiny64, triton_kernels):
     graphs = PrefillGraphs(runner, max_context=512, capture=False, splits=2, buckets=(20, 64))
     graphs.capture_all((0,))
     graph = graphs.graphs[(20, 0)]
-    assert graph.replays_faster  # untimed (no device to time it on): replays
+    assert graph.replays_faster(160, runner.num_layers)  # untimed (no device to time it on): replays
     eager = _prefill(runner, plan, ReusePolicy())
     graph.launch_s, graph.replay_s = 1e-3, 2e-3
     _same_result(eager, _prefill(runner, plan, ReusePolicy(), graphs), 2e-3)
     assert (graphs.replays, graphs.launched) == (0, 1)
-    assert graphs.summary()[0] == {"rows": 20, "first_layer": 0, "launch_ms": 1.0, "replay_ms": 2.0,
+    assert graphs.summary(160)[0] == {"rows": 20, "first_layer": 0, "launch_ms": 1.0, "replay_ms": 2.0,
                                    "replays": False}
     graph.replay_s = 0.5e-3
     _same_result(eager, _prefill(runner, plan, ReusePolicy(), graphs), 2e-3)
     assert (graphs.replays, graphs.launched) == (1, 1)
+
+
+def test_launches_hidden_behind_the_dense_layers_count_against_a_replay():
+    """CacheBlend's graph on the 8B shape as timed on an H200: 1,024 rows from layer 2 of 32,
+    launched op by op in 24.8 ms, replayed in 18.3 ms. Op by op, the launches overlap the two dense
+    layers over every prompt row (2 x 6,091 rows x 18.3 ms / (1,024 x 30) = 7.26 ms), which leaves
+    17.5 ms of launches: shorter than the replay, so a 6,091-row prompt runs op by op; a 1,000-row
+    one (1.19 ms hidden) replays."""
+    from engine_sidecar.execution.prefill_graphs import SparseGraph
+
+    empty = torch.zeros(0)
+    graph = SparseGraph(1024, 2, empty, empty, empty, None, launch_s=24.8e-3, replay_s=18.3e-3)
+    assert not graph.replays_faster(6091, 32)
+    assert graph.replays_faster(1000, 32)
+    reuse = SparseGraph(64, 0, empty, empty, empty, None, launch_s=13.8e-3, replay_s=7.0e-3)
+    assert reuse.replays_faster(6091, 32)  # from layer 0 nothing hides the launches
 
 
 def test_cacheblend_replays_the_layers_after_its_check(tiny64, triton_kernels):
