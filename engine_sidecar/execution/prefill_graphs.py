@@ -67,14 +67,19 @@ class SparseGraph:
     launch_s: float | None = None  # the host's time to launch these layers op by op, timed at capture
     replay_s: float | None = None  # the device's time to replay them, timed at capture
 
-    def replays_faster(self, num_keys: int, num_layers: int) -> bool:
+    def row_layer_s(self, num_layers: int) -> float | None:
+        """The device's seconds per row and layer in this graph's replay (timed at capture)."""
+        return None if self.replay_s is None else self.replay_s / (self.bucket * (num_layers - self.first_layer))
+
+    def replays_faster(self, num_keys: int, num_layers: int, row_layer_s: float | None = None) -> bool:
         """Whether replaying these layers of a prefill over `num_keys` prompt rows beats launching
-        them op by op (untimed, as on a CPU: replay)."""
+        them op by op (untimed, as on a CPU: replay). Op by op, the launches overlap the device's
+        work on the layers before, over every row, at `row_layer_s` seconds per row and layer (by
+        default this graph's own)."""
         if self.launch_s is None or self.replay_s is None:
             return True
-        # op by op, the launches overlap the device's work on the layers before, over every row
-        per_row_layer_s = self.replay_s / (self.bucket * (num_layers - self.first_layer))
-        return self.replay_s < self.launch_s - self.first_layer * num_keys * per_row_layer_s
+        per_row = self.row_layer_s(num_layers) if row_layer_s is None else row_layer_s
+        return self.replay_s < self.launch_s - self.first_layer * num_keys * per_row
 
 
 def load_first_layers(num_layers: int) -> tuple[int, ...]:
@@ -150,7 +155,7 @@ class PrefillGraphs:
             graph = self.graphs.get((size, first_layer)) or self._build(size, first_layer)
             if graph is None:
                 return None
-            if not graph.replays_faster(num_keys, self.runner.num_layers):
+            if not graph.replays_faster(num_keys, self.runner.num_layers, self._row_layer_s(first_layer)):
                 self.launched += 1
                 return None
             self._fill(graph, kv, num_keys, rows, hidden)
@@ -217,8 +222,15 @@ class PrefillGraphs:
         return [{"rows": size, "first_layer": first,
                  "launch_ms": None if g.launch_s is None else round(g.launch_s * 1e3, 3),
                  "replay_ms": None if g.replay_s is None else round(g.replay_s * 1e3, 3),
-                 "replays": g.replays_faster(num_keys, self.runner.num_layers)}
+                 "replays": g.replays_faster(num_keys, self.runner.num_layers, self._row_layer_s(first))}
                 for (size, first), g in sorted(self.graphs.items())]
+
+    def _row_layer_s(self, first_layer: int) -> float | None:
+        """The device's time per row and layer from the largest timed graph of this first layer: a
+        small bucket's replay is mostly reading the weights, which the dense layers before it read
+        once for every row of the prompt."""
+        timed = [g for (_, first), g in self.graphs.items() if first == first_layer and g.replay_s is not None]
+        return max(timed, key=lambda g: g.bucket).row_layer_s(self.runner.num_layers) if timed else None
 
     def _capture(self, graph: SparseGraph) -> None:
         graph.graph, graph.logits = capture_step(self.runner.device, self._pool, lambda: self._layers(graph))

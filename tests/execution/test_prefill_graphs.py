@@ -197,6 +197,11 @@ def test_launches_hidden_behind_the_dense_layers_count_against_a_replay():
     assert graph.replays_faster(1000, 32)
     reuse = SparseGraph(64, 0, empty, empty, empty, None, launch_s=13.8e-3, replay_s=7.0e-3)
     assert reuse.replays_faster(6091, 32)  # from layer 0 nothing hides the launches
+    # a small bucket's replay is mostly the weights' read: the dense layers' time per row comes from
+    # the largest bucket (16 rows in 1.65 ms would make two dense layers over 6,091 rows 90 ms)
+    few = SparseGraph(16, 2, empty, empty, empty, None, launch_s=8.45e-3, replay_s=1.65e-3)
+    assert not few.replays_faster(6091, 16)
+    assert few.replays_faster(6091, 16, row_layer_s=3.18e-3 / (1024 * 14))  # 2.7 ms hidden: 5.75 ms left
 
 
 def test_cacheblend_replays_the_layers_after_its_check(tiny64, triton_kernels):
