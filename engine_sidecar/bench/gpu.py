@@ -627,30 +627,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     for key, value in report.items():
         if key.startswith("ttft_") and "policies" in value:
-            lines += [f"TTFT, {key[5:]} shape, {value['tokens']} tokens (ms; speed-up vs full):", "",
-                      "| " + " | ".join(value["policies"]) + " | transformers full | floor: weights | floor: full FLOPs |",
-                      "|" + "---|" * (len(value["policies"]) + 3),
-                      "| " + " | ".join(f"{r['ttft_ms']} ({r['speedup_vs_full']}×)" for r in value["policies"].values())
-                      + f" | {value['transformers_full_ms']} | {value['floor_weights_read_ms']} | "
-                        f"{value['floor_full_prefill_ms']} |", ""]
-            unit = "GPU kernels and copies" if report["machine"]["device"] == "cuda" else "aten ops, views excluded"
-            lines += [f"Launches per request ({unit}): " + ", ".join(f"{name} {r['launches']}"
-                                                                   for name, r in value["policies"].items()
-                                                                   if "launches" in r), ""]
-            capture = value.get("prefill_graph_capture")
-            if capture:
-                lines += [f"Prefill graphs captured before the +graphs rows (as at load): {capture['graphs']} in "
-                          f"{capture['seconds']} s" + (f"; capture failed: {capture['failed']}"
-                                                       if capture.get("failed") else ""), ""]
-                timed = [g for g in capture.get("timed", []) if g["launch_ms"] is not None]
-                if timed:
-                    lines += ["Each graph timed at capture (ms): rows/first layer launch op by op → replay"
-                              + " (✗: op by op is faster, runs op by op): "
-                              + ", ".join(f"{g['rows']}/{g['first_layer']} {g['launch_ms']}→{g['replay_ms']}"
-                                          + ("" if g["replays"] else " ✗") for g in timed), ""]
-            if any("host_syncs" in r for r in value["policies"].values()):
-                lines += ["Host syncs per request: " + ", ".join(f"{name} {r.get('host_syncs')}"
-                                                                 for name, r in value["policies"].items()), ""]
+            lines += _ttft_lines(key[5:], value, report["machine"]["device"])
         elif key.startswith("decode_") and "tokens_each" in value:
             how = "replayed from CUDA graphs" if value.get("graphs") else "launched op by op"
             lines += [f"Decode, {key[7:].removesuffix('_graphs')} shape, {value['tokens_each']} tokens each, {how}:",
@@ -667,6 +644,34 @@ def markdown(report: dict[str, Any]) -> str:
         elif isinstance(value, dict) and "error" in value:
             lines += [f"{key}: error: {value['error'].splitlines()[0]}", ""]
     return "\n".join(lines).rstrip()
+
+
+def _ttft_lines(shape: str, value: dict[str, Any], device: str) -> list[str]:
+    lines = [f"TTFT, {shape} shape, {value['tokens']} tokens (ms; speed-up vs full):", "",
+              "| " + " | ".join(value["policies"]) + " | transformers full | floor: weights | floor: full FLOPs |",
+              "|" + "---|" * (len(value["policies"]) + 3),
+              "| " + " | ".join(f"{r['ttft_ms']} ({r['speedup_vs_full']}×)" for r in value["policies"].values())
+              + f" | {value['transformers_full_ms']} | {value['floor_weights_read_ms']} | "
+                f"{value['floor_full_prefill_ms']} |", ""]
+    unit = "GPU kernels and copies" if device == "cuda" else "aten ops, views excluded"
+    lines += [f"Launches per request ({unit}): " + ", ".join(f"{name} {r['launches']}"
+                                                           for name, r in value["policies"].items()
+                                                           if "launches" in r), ""]
+    capture = value.get("prefill_graph_capture")
+    if capture:
+        lines += [f"Prefill graphs captured before the +graphs rows (as at load): {capture['graphs']} in "
+                  f"{capture['seconds']} s" + (f"; capture failed: {capture['failed']}"
+                                               if capture.get("failed") else ""), ""]
+        timed = [g for g in capture.get("timed", []) if g["launch_ms"] is not None]
+        if timed:
+            lines += ["Each graph timed at capture (ms): rows/first layer launch op by op → replay"
+                      + " (✗: op by op is faster, runs op by op): "
+                      + ", ".join(f"{g['rows']}/{g['first_layer']} {g['launch_ms']}→{g['replay_ms']}"
+                                  + ("" if g["replays"] else " ✗") for g in timed), ""]
+    if any("host_syncs" in r for r in value["policies"].values()):
+        lines += ["Host syncs per request: " + ", ".join(f"{name} {r.get('host_syncs')}"
+                                                         for name, r in value["policies"].items()), ""]
+    return lines
 
 
 def _http_lines(shape: str, value: dict[str, Any]) -> list[str]:
