@@ -21,7 +21,7 @@ device time outweighs their launches (many rows of a large model: CacheBlend's 1
 prompt) run faster op by op. Each graph is timed once when captured: the host's time to launch
 its layers op by op and the device's time to replay them. Op by op, those launches also overlap
 the device's work on the layers before the graph's first (CacheBlend's dense layers over every
-row of the prompt, estimated from the graph's own time per row and layer). A prefill replays
+row of the prompt, estimated from the largest graph's time per row and layer). A prefill replays
 when the replay's time is under the launches' time left after that overlap; otherwise the device
 is the bound either way and the unpadded rows op by op cost less.
 
