@@ -151,3 +151,28 @@ def test_the_first_sync_is_reported_with_the_calls_above_it():
     assert modes == ["error", "default"] and stack is not None
     assert [line.split()[-1] for line in stack.splitlines()][-2:] == ["caller", "reads_back"]
     assert first_sync_stack(lambda: None, debug_mode=modes.append) is None
+
+
+def test_the_timeline_finds_the_device_idle_while_the_host_works():
+    """The profiler's CUDA records cannot be made without a GPU: records of the same shape. Two
+    overlapping kernels (150-260 µs) and two after a 240 µs wait, during which the host was in a
+    matmul and a graph launch; a 5 µs gap is under the 20 µs threshold."""
+    from types import SimpleNamespace as Record
+
+    import torch
+
+    from engine_sidecar.bench.gpu_counts import timeline
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def record(device, start, end, name):
+        return Record(device_type=device, time_range=Record(start=start, end=end), name=name, cpu_parent=None)
+
+    events = [record(cpu, 0, 100, "plan"), record(cpu, 100, 300, "aten::mm"), record(cpu, 300, 900, "cudaGraphLaunch"),
+              record(cuda, 150, 200, "k1"), record(cuda, 190, 260, "k2"), record(cuda, 500, 800, "k3"),
+              record(cuda, 805, 850, "k4")]
+    lines = timeline(events).splitlines()
+    assert lines[0] == ("timeline (µs from the first host op): device starts at 150, ends at 850; busy 455, "
+                        "idle 245 (1 gaps over 20 µs)")
+    assert lines[1] == "  gap 240 µs at 260: host ran aten::mm, cudaGraphLaunch"
+    assert timeline([record(cpu, 0, 1, "plan")]) == "timeline: no device work recorded"
