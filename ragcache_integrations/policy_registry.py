@@ -6,12 +6,14 @@ and documented the same way everywhere. Standard library only: the adapters impo
 must not pull torch.
 
 A spec is `name[:argument[:tag]...]`: `cacheblend`, `cacheblend:0.3`, `cacheblend:auto:gradual`,
-`epic:16`, `cachecraft:1:nostop`, `prophet:0.15:nowindow:probe8`, `cacheblend:0.15:temp1.1`. Every
+`epic:16`, `cachecraft:1:nostop`, `prophet:0.15:nowindow:probe8`, `cacheblend:0.15:temp1.1`,
+`cacheblend:0.15:min32`. Every
 field is non-empty and every number is plain ASCII (`0.15`, `1e-1`, `16`), within its range
 (`ARG_RANGES`, `PROBE_RANGE`, `TEMP_RANGE`). A tag is the entry's one option word; for
 the policies that run the question probe, `probeL` (the probe stops after the first L layers); for
 every policy that fuses cached chunks, `tempT` (attention temperature T on the reused chunk KV, APE;
-`reuse:temp1.1` for the policy without an argument); each at most once, in any order.
+`reuse:temp1.1` for the policy without an argument); for CacheBlend, `minN` (at least N fused tokens
+recomputed, however short the prompt); each at most once, in any order.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ ARG_RANGES: dict[str, tuple[float, float]] = {
     "alpha": (0.0, 100.0),
 }
 PROBE_RANGE = (1, 1024)  # layers
+MIN_RANGE = (0, 65536)  # fused tokens recomputed at least: more than any prompt the server accepts
 TEMP_RANGE = (0.05, 20.0)  # attention temperature: a calibrated T is near 1; far outside, logits overflow
 
 # what each argument kind accepts, said the same way in every error message
@@ -61,17 +64,19 @@ class PolicyEntry:
     option: str | None = None  # the one word allowed after the argument
     probe: bool = False  # runs the question probe: `probeL` limits it to the first L layers
     tempers: bool = True  # fuses cached chunks, so `tempT` may set the attention temperature on them
+    floor: bool = False  # a recompute share: `minN` sets the fused tokens recomputed at least
 
     @property
     def form(self) -> str:
-        """The grammar of this entry, e.g. `cacheblend[:ratio|auto[:gradual]]`,
+        """The grammar of this entry, e.g. `cacheblend[:ratio|auto[:gradual][:minN]]`,
         `prophet[:ratio[:nowindow][:probeL]]`."""
         if self.arg is None:
             return self.name
         arg = f"{self.arg}|auto" if self.auto else self.arg
         option = f"[:{self.option}]" if self.option else ""
         probe = f"[:{PROBE_TAG}L]" if self.probe else ""
-        return f"{self.name}[:{arg}{option}{probe}]"
+        floor = f"[:{MIN_TAG}N]" if self.floor else ""
+        return f"{self.name}[:{arg}{option}{probe}{floor}]"
 
     @property
     def examples(self) -> tuple[str, ...]:
@@ -86,6 +91,8 @@ class PolicyEntry:
         if self.probe:
             specs.append(f"{self.name}:{self.default}:{self.option}:{PROBE_TAG}8" if self.option
                          else f"{self.name}:{self.default}:{PROBE_TAG}8")
+        if self.floor:
+            specs.append(f"{self.name}:{self.default}:{MIN_TAG}32")
         return tuple(specs)
 
 
@@ -96,6 +103,10 @@ PROBE_TAG = "probe"
 # recomputed tokens) are divided by T; a parallel-encoded chunk's keys were never in context with
 # their new neighbours, and a temperature fitted on a calibration set corrects part of that
 TEMP_TAG = "temp"
+# `minN`: a share of a short prompt's fused tokens is a handful, while the request's fixed work
+# (the dense layers over every token, the question on every layer) stays; at least N tokens
+# recomputed buys most of the agreement a larger share gives there, for little time
+MIN_TAG = "min"
 
 
 POLICIES: tuple[PolicyEntry, ...] = (
@@ -106,7 +117,8 @@ POLICIES: tuple[PolicyEntry, ...] = (
     PolicyEntry("reuse", "every cached chunk reused as is at its new position, nothing recomputed"),
     PolicyEntry("cacheblend", "CacheBlend: the top-ratio tokens by KV deviation at the check layer recomputed "
                 "(default 0.15; auto: from the engine's measured load and compute costs; gradual: 3r, 2r, r "
-                "over three layers)", arg="ratio", default=0.15, auto=True, option="gradual"),
+                "over three layers; minN: at least N fused tokens, all of them when fewer)", arg="ratio",
+                default=0.15, auto=True, option="gradual", floor=True),
     PolicyEntry("focus", "the top-ratio fused tokens by the question's attention recomputed (default 0.15)",
                 arg="ratio", default=0.15),
     PolicyEntry("prophet", "question-driven: a probe of the question over the reused KV at every layer scores "
@@ -167,6 +179,7 @@ class PolicySpec:
     option: bool = False
     probe_layers: int | None = None  # `probeL`: the question probe's depth (None: every layer)
     temperature: float | None = None  # `tempT`: attention temperature on the reused chunk KV (None: 1)
+    min_tokens: int = 0  # `minN`: fused tokens recomputed at least
 
 
 def _value(entry: PolicyEntry, text: str, spec: str) -> float | int:
@@ -204,40 +217,55 @@ def _parse(spec: str) -> PolicySpec:
         # no argument: only tags may follow (`reuse:temp1.1`)
         if parts and not (entry.tempers and all(p.startswith(TEMP_TAG) for p in parts)):
             raise PolicySpecError(f"bad argument in policy '{spec}': {name} takes no argument (form: {entry.form})")
-        _, _, temperature = _tags(entry, parts, spec)
-        return PolicySpec(name, temperature=temperature)
+        tags = _tags(entry, parts, spec)
+        return PolicySpec(name, temperature=tags.temperature)
     arg = parts[0] if parts else ""
-    option, probe_layers, temperature = _tags(entry, parts[1:], spec)
+    tags = _tags(entry, parts[1:], spec)
     auto = entry.auto and arg == "auto"
     value = entry.default if not parts or auto else _value(entry, arg, spec)
-    return PolicySpec(name, value, auto, option, probe_layers, temperature)
+    return PolicySpec(name, value, auto, tags.option, tags.probe_layers, tags.temperature, tags.min_tokens or 0)
 
 
-def _tags(entry: PolicyEntry, tags: list[str], spec: str) -> tuple[bool, int | None, float | None]:
-    """(option word given, probe depth or None, temperature or None) from the tags after the
-    argument (none of them empty: the caller checked)."""
-    option, probe_layers, temperature = False, None, None
+@dataclass
+class _Tags:
+    option: bool = False
+    probe_layers: int | None = None
+    temperature: float | None = None
+    min_tokens: int | None = None
+
+
+def _tags(entry: PolicyEntry, tags: list[str], spec: str) -> _Tags:
+    """The tags after the argument (none of them empty: the caller checked), each at most once."""
+    found = _Tags()
     for tag in tags:
-        if entry.option is not None and tag == entry.option and not option:
-            option = True
-        elif entry.probe and tag.startswith(PROBE_TAG) and probe_layers is None:
-            depth = tag[len(PROBE_TAG):]
-            low, high = PROBE_RANGE
-            if not _WHOLE.fullmatch(depth) or not low <= int(depth) <= high:
-                raise PolicySpecError(f"bad argument in policy '{spec}': {PROBE_TAG}L needs L, the layers the "
-                                      f"probe runs, a whole number in [{low}, {high}], got '{tag}' (form: {entry.form})")
-            probe_layers = int(depth)
-        elif entry.tempers and tag.startswith(TEMP_TAG) and temperature is None:
-            temperature = _temperature(tag, spec)
+        if entry.option is not None and tag == entry.option and not found.option:
+            found.option = True
+        elif entry.probe and tag.startswith(PROBE_TAG) and found.probe_layers is None:
+            found.probe_layers = _whole_tag(tag, PROBE_TAG, PROBE_RANGE, "the layers the probe runs", entry, spec)
+        elif entry.floor and tag.startswith(MIN_TAG) and found.min_tokens is None:
+            found.min_tokens = _whole_tag(tag, MIN_TAG, MIN_RANGE, "the fused tokens recomputed at least", entry, spec)
+        elif entry.tempers and tag.startswith(TEMP_TAG) and found.temperature is None:
+            found.temperature = _temperature(tag, spec)
         else:
             words = [f"'{entry.option}'"] if entry.option else []
             words += [f"{PROBE_TAG}L"] if entry.probe else []
+            words += [f"{MIN_TAG}N"] if entry.floor else []
             words += [f"{TEMP_TAG}T"] if entry.tempers else []
             allowed = ("none" if not words else f"only {words[0]}" if len(words) == 1
-                       else f"only {' and '.join(words)}, each once")
+                       else f"only {', '.join(words[:-1])} and {words[-1]}, each once")
             raise PolicySpecError(f"bad argument in policy '{spec}': unknown {entry.name} option "
                                   f"'{':'.join(tags)}' ({allowed}; form: {entry.form})")
-    return option, probe_layers, temperature
+    return found
+
+
+def _whole_tag(tag: str, prefix: str, bounds: tuple[int, int], what: str, entry: PolicyEntry, spec: str) -> int:
+    digits = tag[len(prefix):]
+    low, high = bounds
+    if not _WHOLE.fullmatch(digits) or not low <= int(digits) <= high:
+        letter = "L" if prefix == PROBE_TAG else "N"
+        raise PolicySpecError(f"bad argument in policy '{spec}': {prefix}{letter} needs {letter}, {what}, a whole "
+                              f"number in [{low}, {high}], got '{tag}' (form: {entry.form})")
+    return int(digits)
 
 
 def _temperature(tag: str, spec: str) -> float:

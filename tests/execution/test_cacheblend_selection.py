@@ -44,3 +44,59 @@ def test_a_budget_past_the_candidates_keeps_them_all():
     policy._fused_total = 10  # more than the two rows left to choose from
     keep = policy.refine(_view(must_keep, torch.ones(4, 1, 2), torch.zeros(4, 1, 2), host_count=True))
     assert isinstance(keep, KeptRows) and keep.mask.all() and keep.count == 4
+
+
+@pytest.mark.parametrize(("fused", "min_tokens", "expected_budget"), [(9, 5, 5), (9, 2, 3), (9, 0, 3), (9, 40, 9)])
+def test_min_tokens_raises_a_short_prompts_budget_to_the_top_deviations(fused, min_tokens, expected_budget):
+    # the budget is max(ceil(r x fused), N), never more than the fused rows there are
+    gen = torch.Generator().manual_seed(1)
+    must_keep = torch.zeros(fused + 3, dtype=torch.bool)
+    must_keep[-3:] = True  # the question's rows
+    new_v = torch.randn(fused + 3, 2, 4, generator=gen)
+    all_v = torch.randn(fused + 3, 2, 4, generator=gen)
+    policy = CacheBlendPolicy(0.3, min_tokens=min_tokens)
+    policy._fused_total = fused
+    keep = policy.refine(_view(must_keep, new_v, all_v, host_count=True))
+    assert isinstance(keep, KeptRows)
+    deviation = (new_v - all_v).pow(2).sum(dim=(1, 2))
+    deviation[must_keep] = -1.0
+    expected = must_keep.clone()
+    expected[deviation.topk(expected_budget).indices] = True
+    assert torch.equal(keep.mask, expected) and keep.count == 3 + expected_budget
+
+
+def test_min_tokens_sets_the_floor_of_every_gradual_step():
+    policy = CacheBlendPolicy(0.125, gradual=True, min_tokens=5)
+    policy._fused_total = 16  # 3r, 2r, r = 6, 4, 2 rows: the floor lifts the last two to 5
+    must_keep = torch.zeros(16, dtype=torch.bool)
+    counts = []
+    for layer in (1, 2, 3):
+        view = LayerView(layer, torch.arange(16), must_keep, torch.zeros(16, 1, 2), torch.rand(16, 1, 2),
+                         torch.zeros(16, 1, 2), torch.zeros(16, 1, 2), 8, must_keep_count=0)
+        keep = policy.refine(view)
+        assert isinstance(keep, KeptRows)
+        counts.append(keep.count)
+    assert counts == [6, 5, 5]
+
+
+PASSAGES = [
+    "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
+    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres.",
+]
+
+
+def test_min_tokens_on_a_real_engine_recomputes_the_floor_and_ratio_one_is_full(tiny_engine):
+    from ragcache_integrations import ChunkedPrompt
+
+    prompt = ChunkedPrompt(chunks=PASSAGES, question="Which river reaches the Atlantic?")
+    full, _ = tiny_engine.prefill_logits(prompt, policy="full")
+    tiny_engine.warm(PASSAGES)
+    _, share = tiny_engine.prefill_logits(prompt, policy="cacheblend:0.15")
+    fused = sum(s["positions"][1] - s["positions"][0] for s in share.plan if s["mode"] == "fuse")
+    assert fused > 20 and share.tokens_recomputed == math.ceil(0.15 * fused)
+    _, floored = tiny_engine.prefill_logits(prompt, policy="cacheblend:0.15:min20")
+    assert floored.tokens_recomputed == 20
+    _, past = tiny_engine.prefill_logits(prompt, policy=f"cacheblend:0.15:min{fused + 50}")
+    assert past.tokens_recomputed == fused  # a floor past the fused tokens recomputes them all
+    blended, stats = tiny_engine.prefill_logits(prompt, policy="cacheblend:1:min20")
+    assert stats.chunk_hits == 2 and (full - blended).abs().max().item() <= 1e-4

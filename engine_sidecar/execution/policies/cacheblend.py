@@ -20,16 +20,20 @@ if TYPE_CHECKING:
 class CacheBlendPolicy(Policy):
     """CacheBlend: all fused tokens computed up to the check layer; there the top-r tokens by
     value deviation (recomputed vs cached) are kept and the rest fall back to their cached KV.
-    With gradual filtering, the kept share shrinks from `start_ratio` to r over a few layers."""
+    With gradual filtering, the kept share shrinks from `start_ratio` to r over a few layers.
+    `min_tokens` keeps at least that many fused tokens (all of them when fewer), whatever r gives."""
 
     name = "cacheblend"
 
-    def __init__(self, ratio: float = 0.15, check_layer: int = 1, gradual: bool = False):
+    def __init__(self, ratio: float = 0.15, check_layer: int = 1, gradual: bool = False, min_tokens: int = 0):
         if not 0.0 <= ratio <= 1.0:
             raise InvalidPromptError(f"cacheblend ratio must be in [0, 1], got {ratio}")
+        if min_tokens < 0:
+            raise InvalidPromptError(f"cacheblend min tokens must be >= 0, got {min_tokens}")
         self.ratio = ratio
         self.check_layer = check_layer
         self.gradual = gradual
+        self.min_tokens = min_tokens
         self.reset()
 
     def reset(self) -> None:
@@ -62,7 +66,7 @@ class CacheBlendPolicy(Policy):
         ratio = self._target_ratio(view.layer, view.num_layers)
         if ratio is None or ratio >= 1.0:
             return None
-        budget = math.ceil(ratio * self._fused_total)
+        budget = max(math.ceil(ratio * self._fused_total), self.min_tokens)
         deviation = (view.new_values - view.cached_values).float().pow(2).sum(dim=(1, 2))
         deviation.masked_fill_(view.must_keep, -1.0)
         keep = view.must_keep.clone()

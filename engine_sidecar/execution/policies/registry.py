@@ -43,7 +43,7 @@ def _policy_of(parsed: PolicySpec) -> Policy:
     if parsed.name == "reuse":
         return ReusePolicy()
     if parsed.name == "cacheblend":
-        blend = CacheBlendPolicy(float(value or 0.0), gradual=parsed.option)
+        blend = CacheBlendPolicy(float(value or 0.0), gradual=parsed.option, min_tokens=parsed.min_tokens)
         blend.auto = parsed.auto
         return blend
     if parsed.name == "focus":
