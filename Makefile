@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export PIP_NO_CACHE_DIR := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-short bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster gpu-kit cross-compile
+.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-short bench-short-contexts bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster gpu-kit cross-compile
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +97,15 @@ SHORT_POLICIES = full,reuse,cacheblend,prophet:0.15:nowindow,prophet:0.15:nowind
 SHORT_FLAGS = --k 10 --passage-words 70 --no-transformers --no-disk --dtype $(BENCH_DTYPE) --no-generate --no-divergence
 bench-short: model
 	$(BIN)/ragcache bench fidelity --data $(DATA) --n 100 $(SHORT_FLAGS) --policies $(SHORT_POLICIES) --chunk-kv precomputed,neighbours --baseline cacheblend@neighbours --json bench-results/short/mqs100.json
+
+# a floor of fused tokens on short contexts (docs/benchmarks.md, "Short contexts"; ~45 min on 2 cores):
+# floors N on FanOutQA's calibration split, then the default's N on the evaluation questions with chunk
+# KV computed alone, warmed after neighbours and computed in place
+MIN_FLAGS = --k 4 --no-transformers --no-disk --dtype $(BENCH_DTYPE) --no-generate --no-divergence --baseline cacheblend:0.15
+bench-short-contexts: model
+	$(BIN)/ragcache bench fidelity --data fanoutqa --start 150 --n 40 $(MIN_FLAGS) --policies full,cacheblend:0.15,cacheblend:0.15:min16,cacheblend:0.15:min24,cacheblend:0.15:min32,cacheblend:0.15:min48 --chunk-kv precomputed,neighbours --json bench-results/min/fq-calibration.json
+	$(BIN)/ragcache bench fidelity --data fanoutqa --n 100 $(MIN_FLAGS) --policies full,cacheblend:0.15,cacheblend:0.15:min24 --chunk-kv neighbours,precomputed --json bench-results/min/fq100.json
+	$(BIN)/ragcache bench fidelity --data fanoutqa --n 100 $(MIN_FLAGS) --policies full,cacheblend:0.15,cacheblend:0.15:min24 --chunk-kv in-context --json bench-results/min/fq100-in-context.json
 
 # N (neighbours per chunk) on calibration splits no evaluation uses: MuSiQue 100-139, FanOutQA 150-189
 NB_SWEEP = 1 2 3 4 6

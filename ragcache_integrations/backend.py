@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ragcache_integrations.api_models import WarmResponse
+from ragcache_integrations.policy_registry import DEFAULT_POLICY
 from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, SamplingParams
 
 Messages = list[dict[str, str]]
@@ -78,16 +79,16 @@ class Backend(Protocol):
 
     def count_tokens(self, text: str) -> int: ...
 
-    def generate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    def generate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                  order: str = "preserve", tenant: str = "") -> GenerationResult: ...
 
-    def stream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    def stream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                order: str = "preserve", tenant: str = "") -> DeltaStream: ...
 
-    async def agenerate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    async def agenerate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                         order: str = "preserve", tenant: str = "") -> GenerationResult: ...
 
-    def astream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    def astream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                 order: str = "preserve", tenant: str = "") -> AsyncDeltaStream: ...
 
     def chat(self, messages: Messages, sampling: SamplingParams, *, tenant: str = "") -> GenerationResult: ...
@@ -184,20 +185,20 @@ class EngineBackend:
     def count_tokens(self, text: str) -> int:
         return len(self.engine.builder.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def stream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    def stream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                order: str = "preserve", tenant: str = "") -> DeltaStream:
         handle = self.engine.stream(prompt, sampling, policy=policy, tenant=tenant, order=order)
         return DeltaStream(iter(handle), lambda: handle.result)
 
-    def generate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    def generate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                  order: str = "preserve", tenant: str = "") -> GenerationResult:
         return _drain(self.stream(prompt, sampling, policy=policy, order=order, tenant=tenant))
 
-    async def agenerate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    async def agenerate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                         order: str = "preserve", tenant: str = "") -> GenerationResult:
         return await _adrain(self.astream(prompt, sampling, policy=policy, order=order, tenant=tenant))
 
-    def astream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    def astream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                 order: str = "preserve", tenant: str = "") -> AsyncDeltaStream:
         return _in_thread(lambda: self.stream(prompt, sampling, policy=policy, order=order, tenant=tenant))
 
@@ -289,7 +290,7 @@ class HttpBackend:
         return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # --- generation -------------------------------------------------------------------------
-    def stream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    def stream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                order: str = "preserve", tenant: str = "") -> DeltaStream:
         client = self._client_module.RagCacheClient(self.base_url, **self._options)
 
@@ -299,12 +300,12 @@ class HttpBackend:
 
         return DeltaStream(deltas(), lambda: client.last_result)
 
-    def generate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    def generate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                  order: str = "preserve", tenant: str = "") -> GenerationResult:
         with self._client_module.RagCacheClient(self.base_url, **self._options) as client:
             return client.generate(prompt, sampling, policy=policy, order=order, tenant=tenant or None)
 
-    def astream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    def astream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                 order: str = "preserve", tenant: str = "") -> AsyncDeltaStream:
         client = self._client_module.AsyncRagCacheClient(self.base_url, **self._options)
 
@@ -316,7 +317,7 @@ class HttpBackend:
 
         return AsyncDeltaStream(deltas(), lambda: client.last_result)
 
-    async def agenerate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = "cacheblend",
+    async def agenerate(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                         order: str = "preserve", tenant: str = "") -> GenerationResult:
         async with self._client_module.AsyncRagCacheClient(self.base_url, **self._options) as client:
             return await client.generate(prompt, sampling, policy=policy, order=order, tenant=tenant or None)

@@ -28,6 +28,7 @@ from ragcache_integrations.api_models import (
     WarmRequest,
     WarmResponse,
 )
+from ragcache_integrations.policy_registry import DEFAULT_POLICY
 from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationStats, SamplingParams
 
 DEFAULT_URL = "http://127.0.0.1:8808"
@@ -269,14 +270,14 @@ class RagCacheClient:
         return self._send(method, path, **kw).json()
 
     def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
-                 policy: str = "cacheblend", order: str = "preserve", tenant: str | None = None) -> GenerateResponse:
+                 policy: str = DEFAULT_POLICY, order: str = "preserve", tenant: str | None = None) -> GenerateResponse:
         body = _generate_body(prompt, sampling, policy, order, False)
         self.last_result = GenerateResponse.model_validate(
             self._json("POST", "/v1/generate", json=body, headers=_tenant(tenant)))
         return self.last_result
 
     def stream(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
-               policy: str = "cacheblend", order: str = "preserve", tenant: str | None = None) -> Iterator[str]:
+               policy: str = DEFAULT_POLICY, order: str = "preserve", tenant: str | None = None) -> Iterator[str]:
         """Yield text deltas; the full response (text, stats, usage) is `last_result` afterwards.
         Stopping early closes the connection, which cancels the generation on the server."""
         body = _generate_body(prompt, sampling, policy, order, True)
@@ -397,7 +398,7 @@ class AsyncRagCacheClient:
         return (await self._send(method, path, **kw)).json()
 
     async def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
-                       policy: str = "cacheblend", order: str = "preserve",
+                       policy: str = DEFAULT_POLICY, order: str = "preserve",
                        tenant: str | None = None) -> GenerateResponse:
         body = _generate_body(prompt, sampling, policy, order, False)
         self.last_result = GenerateResponse.model_validate(
@@ -405,7 +406,7 @@ class AsyncRagCacheClient:
         return self.last_result
 
     async def stream(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
-                     policy: str = "cacheblend", order: str = "preserve",
+                     policy: str = DEFAULT_POLICY, order: str = "preserve",
                      tenant: str | None = None) -> AsyncIterator[str]:
         body = _generate_body(prompt, sampling, policy, order, True)
         self.last_result = None

@@ -143,7 +143,7 @@ POLICIES: tuple[PolicyEntry, ...] = (
 
 BY_NAME: dict[str, PolicyEntry] = {p.name: p for p in POLICIES}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
-DEFAULT_POLICY = "cacheblend"
+DEFAULT_POLICY = "cacheblend:0.15:min24"
 
 
 def forms() -> list[str]:

@@ -51,6 +51,7 @@ from engine_sidecar.reuse.planner import PlannedRequest
 from engine_sidecar.reuse.precompute import Precomputer
 from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.redis_tier import RedisTier
+from ragcache_integrations.policy_registry import DEFAULT_POLICY
 from ragcache_integrations.types import (
     Chunk,
     ChunkedPrompt,
@@ -168,7 +169,7 @@ class Engine:
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
-                 policy: str | Policy = "cacheblend", tenant: str = "", order: str = "preserve") -> GenerationResult:
+                 policy: str | Policy = DEFAULT_POLICY, tenant: str = "", order: str = "preserve") -> GenerationResult:
         """Answer a chunk-structured prompt. `policy` picks the recompute strategy, `order`
         ('preserve', 'frequency', 'hits-first' or 'misses-first') whether chunks are re-sorted by
         the CA-Table or with the chunks the cache holds first or last, `tenant` salts
@@ -181,17 +182,17 @@ class Engine:
         return stream.result
 
     def stream(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
-               policy: str | Policy = "cacheblend", tenant: str = "", order: str = "preserve") -> GenerationStream:
+               policy: str | Policy = DEFAULT_POLICY, tenant: str = "", order: str = "preserve") -> GenerationStream:
         prompt, sampling, pol = self.prep.prepare(prompt, sampling, policy, order, tenant)
         return GenerationStream(self._submit(prompt, sampling, pol, tenant))
 
-    def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
+    def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = DEFAULT_POLICY,
                        tenant: str = "", order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
         """Next-token logits after the prompt, and the prefill's stats (probes.py)."""
         return self.probes.prefill_logits(prompt, policy, tenant, order)
 
     def teacher_forced_logits(self, prompt: ChunkedPrompt | dict, continuation: list[int],
-                              policy: str | Policy = "cacheblend", tenant: str = "",
+                              policy: str | Policy = DEFAULT_POLICY, tenant: str = "",
                               order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
         """Logits after the prompt, then after each token of `continuation` fed back (probes.py)."""
         return self.probes.teacher_forced_logits(prompt, continuation, policy, tenant, order)

@@ -18,6 +18,7 @@ from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import Policy, parse_policy
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.request.prompt import PromptBuilder
+from ragcache_integrations.policy_registry import DEFAULT_POLICY
 from ragcache_integrations.types import ChunkedPrompt, GenerationStats
 
 
@@ -31,14 +32,14 @@ class FidelityProbes:
         self.kv_pool = kv_pool
         self._allocate = kv_pool.take if kv_pool is not None else None
 
-    def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend",
+    def prefill_logits(self, prompt: ChunkedPrompt | dict, policy: str | Policy = DEFAULT_POLICY,
                        tenant: str = "", order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
         """Next-token logits after the prompt, and the prefill's stats (for fidelity checks)."""
         logits, stats = self.teacher_forced_logits(prompt, [], policy, tenant, order)
         return logits[0], stats
 
     def teacher_forced_logits(self, prompt: ChunkedPrompt | dict, continuation: list[int],
-                              policy: str | Policy = "cacheblend", tenant: str = "",
+                              policy: str | Policy = DEFAULT_POLICY, tenant: str = "",
                               order: str = "preserve") -> tuple[torch.Tensor, GenerationStats]:
         """Logits [1 + len(continuation), vocab]: after the prompt, then after each token of
         `continuation` fed back in turn (teacher forcing). Along full prefill's own answer this
@@ -56,7 +57,7 @@ class FidelityProbes:
                               self.convention)
         return torch.stack(rows), stats
 
-    def prefill_kv(self, prompt: ChunkedPrompt | dict, policy: str | Policy = "cacheblend", tenant: str = "",
+    def prefill_kv(self, prompt: ChunkedPrompt | dict, policy: str | Policy = DEFAULT_POLICY, tenant: str = "",
                    order: str = "preserve") -> tuple[tuple[int, ...], PrefillResult, GenerationStats]:
         """The prompt's token ids and KV as the engine's prefill leaves them (the policy's fusion,
         store reads, misses computed in place and committed), for a backend that decodes

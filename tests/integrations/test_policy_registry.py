@@ -19,6 +19,7 @@ from engine_sidecar.execution.policies import Policy, parse_policy
 from engine_sidecar.server import ServerSettings, create_app
 from ragcache_integrations.policy_registry import (
     BY_NAME,
+    DEFAULT_POLICY,
     NAMES,
     POLICIES,
     PolicySpecError,
@@ -105,7 +106,7 @@ def test_cli_help_lists_exactly_the_registry_policies(capsys):
              "bench prefetch": commands["bench"]._subparsers._group_actions[0].choices["prefetch"]}
     for where, sub in helps.items():
         (action,) = [a for a in sub._actions if "--policy" in a.option_strings]
-        grammar, _, described = str(action.help).partition("(default cacheblend).")
+        grammar, _, described = str(action.help).partition(f"(default {DEFAULT_POLICY}).")
         assert _listed_forms(grammar) == forms(), where
         # and one description per policy, in registry order
         assert re.findall(r"(?:^|; )(\w+) = ", described.strip()) == list(NAMES), where
