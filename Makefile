@@ -106,6 +106,7 @@ bench-short-contexts: model
 	$(BIN)/ragcache bench fidelity --data fanoutqa --start 150 --n 40 $(MIN_FLAGS) --policies full,cacheblend:0.15,cacheblend:0.15:min16,cacheblend:0.15:min24,cacheblend:0.15:min32,cacheblend:0.15:min48 --chunk-kv precomputed,neighbours --json bench-results/min/fq-calibration.json
 	$(BIN)/ragcache bench fidelity --data fanoutqa --n 100 $(MIN_FLAGS) --policies full,cacheblend:0.15,cacheblend:0.15:min24 --chunk-kv neighbours,precomputed --json bench-results/min/fq100.json
 	$(BIN)/ragcache bench fidelity --data fanoutqa --n 100 $(MIN_FLAGS) --policies full,cacheblend:0.15,cacheblend:0.15:min24 --chunk-kv in-context --json bench-results/min/fq100-in-context.json
+	$(BIN)/ragcache bench fidelity --data fanoutqa --n 100 $(subst --no-generate ,,$(MIN_FLAGS)) --policies full,cacheblend:0.15,cacheblend:0.15:min24 --chunk-kv neighbours --json bench-results/min/fq100-answers.json
 
 # N (neighbours per chunk) on calibration splits no evaluation uses: MuSiQue 100-139, FanOutQA 150-189
 NB_SWEEP = 1 2 3 4 6
