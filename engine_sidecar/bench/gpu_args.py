@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, PolicySpecError, parse_policy_spec
 
 SHAPE_NAMES = ("tiny", "small", "1b", "8b")  # engine_sidecar.bench.gpu.SHAPES
 SECTION_NAMES = ("kernels", "guards", "ttft", "decode", "http", "tiles")
@@ -34,7 +34,7 @@ def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
                                                                   "(default 8; 2 with --quick)")
     p.add_argument("--http-passage-tokens", type=int, default=None, help="tokens per passage of an HTTP request "
                                                                         "(default 200; 60 with --quick)")
-    p.add_argument("--http-policy", default="cacheblend", help="policy of the HTTP requests (default cacheblend)")
+    p.add_argument("--http-policy", default=DEFAULT_POLICY, help=f"policy of the HTTP requests (default {DEFAULT_POLICY})")
     p.add_argument("--ram-gib", type=float, default=20.0, help="RAM (or device) budget of the chunk store, GiB")
     p.add_argument("--tokenizer", type=Path, default=None, help="folder with the tokenizer files "
                                                                 "(default: the prepared default model's)")
