@@ -100,3 +100,17 @@ def test_min_tokens_on_a_real_engine_recomputes_the_floor_and_ratio_one_is_full(
     assert past.tokens_recomputed == fused  # a floor past the fused tokens recomputes them all
     blended, stats = tiny_engine.prefill_logits(prompt, policy="cacheblend:1:min20")
     assert stats.chunk_hits == 2 and (full - blended).abs().max().item() <= 1e-4
+
+
+def test_the_engines_default_recomputes_at_least_the_floor_on_a_short_context(tiny_engine):
+    from ragcache_integrations import ChunkedPrompt
+    from ragcache_integrations.policy_registry import DEFAULT_POLICY, parse_policy_spec
+
+    floor = parse_policy_spec(DEFAULT_POLICY).min_tokens
+    assert floor > 0
+    prompt = ChunkedPrompt(chunks=PASSAGES, question="Which mountain is the highest in Africa?")
+    tiny_engine.warm(PASSAGES)
+    _, stats = tiny_engine.prefill_logits(prompt)  # no policy: the engine's default
+    fused = sum(s["positions"][1] - s["positions"][0] for s in stats.plan if s["mode"] == "fuse")
+    assert stats.policy == "cacheblend" and 0.15 * fused < floor
+    assert stats.tokens_recomputed == min(fused, floor)
