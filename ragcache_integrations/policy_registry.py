@@ -241,9 +241,9 @@ def _tags(entry: PolicyEntry, tags: list[str], spec: str) -> _Tags:
         if entry.option is not None and tag == entry.option and not found.option:
             found.option = True
         elif entry.probe and tag.startswith(PROBE_TAG) and found.probe_layers is None:
-            found.probe_layers = _whole_tag(tag, PROBE_TAG, PROBE_RANGE, "the layers the probe runs", entry, spec)
+            found.probe_layers = _whole_tag(tag, PROBE_TAG, "L", PROBE_RANGE, "the layers the probe runs", entry, spec)
         elif entry.floor and tag.startswith(MIN_TAG) and found.min_tokens is None:
-            found.min_tokens = _whole_tag(tag, MIN_TAG, MIN_RANGE, "the fused tokens recomputed at least", entry, spec)
+            found.min_tokens = _whole_tag(tag, MIN_TAG, "N", MIN_RANGE, "the fused tokens recomputed at least", entry, spec)
         elif entry.tempers and tag.startswith(TEMP_TAG) and found.temperature is None:
             found.temperature = _temperature(tag, spec)
         else:
@@ -258,11 +258,12 @@ def _tags(entry: PolicyEntry, tags: list[str], spec: str) -> _Tags:
     return found
 
 
-def _whole_tag(tag: str, prefix: str, bounds: tuple[int, int], what: str, entry: PolicyEntry, spec: str) -> int:
+def _whole_tag(tag: str, prefix: str, letter: str, bounds: tuple[int, int], what: str, entry: PolicyEntry,
+               spec: str) -> int:
+    """The whole number after `prefix` in a tag such as `probe8` (`letter` names it in the error)."""
     digits = tag[len(prefix):]
     low, high = bounds
     if not _WHOLE.fullmatch(digits) or not low <= int(digits) <= high:
-        letter = "L" if prefix == PROBE_TAG else "N"
         raise PolicySpecError(f"bad argument in policy '{spec}': {prefix}{letter} needs {letter}, {what}, a whole "
                               f"number in [{low}, {high}], got '{tag}' (form: {entry.form})")
     return int(digits)
