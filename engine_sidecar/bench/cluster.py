@@ -155,7 +155,7 @@ def working_set(model_dir: Path, texts: list[str], dtype: str) -> tuple[int, int
     """(tokens, bytes) of the KV of every passage the stream uses (the chunk's own tokens)."""
     from transformers import AutoTokenizer
 
-    from engine_sidecar.model.config import load_config
+    from engine_sidecar.model.families import load_config
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     cfg = load_config(model_dir)

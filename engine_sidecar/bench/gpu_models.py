@@ -50,7 +50,7 @@ def model_folder(shape: dict[str, Any], tokenizer_dir: Path, out: Path, vocab_si
 def random_runner(model_dir: Path, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """A ModelRunner of the folder's shape with random weights made on the device (an 8B shape
     never touches the host)."""
-    from engine_sidecar.model.config import load_config
+    from engine_sidecar.model.families import load_config
     from engine_sidecar.model.runner import ModelRunner
     from engine_sidecar.model.weights import LayerWeights, ModelWeights
 

@@ -127,7 +127,7 @@ def run_load(args: argparse.Namespace) -> int:
                 if vllm_server is None:  # one server for both vLLM systems; the connector only when asked
                     console.print(f"starting vLLM from {python}")
                     connector = connector_config() if CONNECTOR_SYSTEM in systems else None
-                    from engine_sidecar.model.config import load_config
+                    from engine_sidecar.model.families import load_config
 
                     max_len = min(8192, load_config(model_dir).max_position_embeddings)
                     vllm_server = stack.enter_context(VllmServer(

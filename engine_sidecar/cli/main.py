@@ -38,7 +38,7 @@ def cmd_model_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_model_info(args: argparse.Namespace) -> int:
-    from engine_sidecar.model.config import load_config
+    from engine_sidecar.model.families import load_config
     from engine_sidecar.model.prepare import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)

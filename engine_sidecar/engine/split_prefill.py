@@ -76,9 +76,10 @@ class SplitPrefill:
             raise ValueError(f"KV for {keys.shape[1]} tokens given, the prompt has {n}")
         dtype, device = self.runner.dtype, self.runner.device
         keys, values = keys.to(dtype=dtype, device=device), values.to(dtype=dtype, device=device)
-        cos, sin = self.runner.rope_tables(torch.arange(n, device=device))
+        rope = self.runner.rope_tables(torch.arange(n, device=device))
         # R(-θ) undoes R(θ): same cosines, negated sines
-        keys_pre = torch.stack([apply_rope(keys[layer], cos, -sin) for layer in range(keys.shape[0])])
+        keys_pre = torch.stack([apply_rope(keys[layer], rope.at(layer)[0], -rope.at(layer)[1])
+                                for layer in range(keys.shape[0])])
         if run.result is not None:
             own = run.result.kv
             keys_pre[:, : run.end] = own.keys_pre[:, : run.end]

@@ -161,7 +161,7 @@ class DecodeGraphs:
         if kvs:
             columns, _ = table_columns([kv.keys_pre for kv in kvs], [kv.keys for kv in kvs],
                                        [kv.values for kv in kvs], [kv.length for kv in kvs],
-                                       self.runner.config.sliding_window)
+                                       self.runner.window(0))
             rows = [(*col, token) for col, token in zip(columns, token_ids, strict=True)]
         pad = (self.scratch.keys_pre.data_ptr(), self.scratch.keys.data_ptr(), self.scratch.values.data_ptr(),
                self.scratch.keys.stride(0), 0, 0, 0)

@@ -21,7 +21,7 @@ from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies import KeptRows, LayerView, Policy
 from engine_sidecar.execution.prefetch import LayerPrefetcher, PrefetchTimes
 from engine_sidecar.execution.prophet import ReusedKV
-from engine_sidecar.model.runner import QKV, ModelRunner
+from engine_sidecar.model.runner import QKV, ModelRunner, RopeTables
 from engine_sidecar.store.entry import ChunkKV, warmed_after_neighbours
 from ragcache_kernels import dispatch
 
@@ -108,21 +108,19 @@ class ActiveRows:
     index: torch.Tensor  # [A] rows of the prompt, ascending (device)
     must_keep: torch.Tensor  # [A] bool: rows with no cached KV, which no policy may drop
     hidden: torch.Tensor  # [A, hidden]
-    cos: torch.Tensor  # [A, head_dim] RoPE tables at their positions, in the activations' dtype
-    sin: torch.Tensor
+    rope: RopeTables  # [A, head_dim] tables at their positions, in the activations' dtype
     must_keep_count: int  # rows `must_keep` marks (never dropped, so fixed for the prefill)
 
     @classmethod
-    def start(cls, index: torch.Tensor, must_keep: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor, must_keep_count: int) -> ActiveRows:
+    def start(cls, index: torch.Tensor, must_keep: torch.Tensor, hidden: torch.Tensor, rope: RopeTables,
+              must_keep_count: int) -> ActiveRows:
         # rounded to the activations' dtype once here, as RoPE would on every call: the same values
-        return cls(index, must_keep, hidden, cos[index].to(hidden.dtype), sin[index].to(hidden.dtype),
-                   must_keep_count)
+        return cls(index, must_keep, hidden, rope.take(index).to(hidden.dtype), must_keep_count)
 
     def shrink(self, kept: torch.Tensor) -> None:
         """Keep the rows at these positions (ascending indices into the active rows)."""
         self.index, self.must_keep, self.hidden = self.index[kept], self.must_keep[kept], self.hidden[kept]
-        self.cos, self.sin = self.cos[kept], self.sin[kept]
+        self.rope = self.rope.take(kept)
 
 
 @torch.inference_mode()
@@ -160,7 +158,7 @@ def fused_prefill(
     device = runner.device
     must_keep = (~run.has_cache)[active_host]
     active = to_device(active_host, device)
-    rows = ActiveRows.start(active, to_device(must_keep, device), runner.embed(run.ids[active]), run.cos, run.sin,
+    rows = ActiveRows.start(active, to_device(must_keep, device), runner.embed(run.ids[active]), run.rope,
                             int(must_keep.sum()))
     clock.mark("prefill_setup_s")
     # from this layer on the rows no longer change: a graph may run the rest
@@ -197,8 +195,7 @@ class _FusedRun:
     kv: KVBuffer
     ids: torch.Tensor
     positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
+    rope: RopeTables  # [n, head_dim] per RoPE table, fp32
     has_cache: torch.Tensor  # [n] bool, host
     loaded: int
     load_s: float
@@ -217,7 +214,7 @@ class _FusedRun:
         rows = max(capacity or n, n)
         kv = allocate(rows) if allocate is not None else KVBuffer.allocate(runner, rows)
         positions = torch.arange(n, device=device)
-        cos, sin = runner.rope_tables(positions)
+        rope = runner.rope_tables(positions)
         has_cache, loaded, load_s = _load_cached(kv, plan)
         fused, tempered = _fused_rows(plan, policy)
         lazy = any(s.cached is not None and s.cached.reader is not None and s.mode != "fresh" for s in plan.spans)
@@ -225,7 +222,7 @@ class _FusedRun:
         # query's logits on them by T (RoPE is linear); rows recomputed on a layer are overwritten there
         key_scale = 1.0 / policy.temperature if policy.temperature != 1.0 and bool(tempered.any()) else None
         ids = plan_token_ids(plan, device)
-        return cls(runner, plan, policy, kv, ids, positions, cos, sin, has_cache, loaded, load_s, fused, tempered,
+        return cls(runner, plan, policy, kv, ids, positions, rope, has_cache, loaded, load_s, fused, tempered,
                    key_scale, lazy, observer)
 
     @property
@@ -238,11 +235,16 @@ class _FusedRun:
         probe reads them from the buffer rather than copying and rotating them once more."""
         if not bool(self.has_cache.any()) or self.lazy:
             return None
-        kv, n = self.kv, self.n
-        # every layer in one launch (Triton on a GPU: cos/sin made in registers, one read and one
-        # write of the keys; the tables on a CPU)
-        dispatch.rotate_keys(kv.keys_pre[:, :n], self.positions, self.runner.inv_freq, out=kv.keys[:, :n],
-                             tables=(self.cos, self.sin))
+        kv, n, runner = self.kv, self.n, self.runner
+        if len(runner.inv_freqs) == 1:
+            # every layer in one launch (Triton on a GPU: cos/sin made in registers, one read and one
+            # write of the keys; the tables on a CPU)
+            dispatch.rotate_keys(kv.keys_pre[:, :n], self.positions, runner.inv_freq, out=kv.keys[:, :n],
+                                 tables=self.rope.at(0))
+        else:  # layers of several RoPE tables (local and global): each by its own
+            for layer in range(runner.num_layers):
+                dispatch.rotate_keys(kv.keys_pre[layer, :n], self.positions, runner.inv_freq_at(layer),
+                                     out=kv.keys[layer, :n], tables=self.rope.at(layer))
         for span in self.plan.spans if self.key_scale is not None else ():
             if span.mode == "fuse" and is_tempered(span.cached, self.policy):
                 kv.keys[:, span.start : span.end].mul_(self.key_scale)
@@ -251,8 +253,8 @@ class _FusedRun:
     def rotate_layer(self, layer: int, active: torch.Tensor) -> None:
         """One layer's keys as they arrive from disk."""
         n = self.n
-        dispatch.rotate_keys(self.kv.keys_pre[layer, :n], self.positions, self.runner.inv_freq,
-                             out=self.kv.keys[layer, :n], tables=(self.cos, self.sin))
+        dispatch.rotate_keys(self.kv.keys_pre[layer, :n], self.positions, self.runner.inv_freq_at(layer),
+                             out=self.kv.keys[layer, :n], tables=self.rope.at(layer))
         temper_stale_rows(self.kv.keys[layer, :n], self.tempered, active, self.key_scale)
 
     def graphable(self, graphs: PrefillGraphs | None) -> bool:
@@ -260,8 +262,13 @@ class _FusedRun:
         (none arrives from disk layer by layer) and no observer reads each layer."""
         return graphs is not None and not self.lazy and self.observer is None
 
-    def rope_at(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return dispatch.apply_rope(x, self.cos[idx], self.sin[idx])
+    def rope_at(self, layer: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """(x, prompt rows) -> x rotated to those rows' positions by this layer's RoPE."""
+        cos, sin = self.rope.at(layer)
+
+        def rotate(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            return dispatch.apply_rope(x, cos[idx], sin[idx])
+        return rotate
 
     def layer(self, layer: int, rows: ActiveRows) -> int:
         """One layer over the active rows (which the policy may shrink first); how many it computed."""
@@ -273,7 +280,7 @@ class _FusedRun:
         qkv = runner.qkv(layer, rows.hidden)
         keep = self.policy.refine(
             LayerView(layer, rows.index, rows.must_keep, qkv.k, qkv.v, kv.keys_pre[layer, :n], kv.values[layer, :n],
-                      runner.num_layers, qkv.q, self.rope_at, rows.must_keep_count)
+                      runner.num_layers, qkv.q, self.rope_at(layer), rows.must_keep_count)
         )
         if keep is not None:
             kept = kept_indices(keep, runner.device)
@@ -285,7 +292,7 @@ class _FusedRun:
         if not self.lazy and kv.same_layout and dispatch.resolve_backend(runner.device) == "triton":
             # q rotated, and k (as computed and rotated) and v into the buffer, in one launch
             c = runner.config
-            q = dispatch.rope_and_store(qkv.joint, c.num_heads, c.num_kv_heads, active, runner.inv_freq,
+            q = dispatch.rope_and_store(qkv.joint, c.num_heads, c.num_kv_heads, active, runner.inv_freq_at(layer),
                                         kv.keys_pre[layer], kv.keys[layer], kv.values[layer])
         else:
             q = self.store_rows(layer, qkv, rows, dense)
@@ -293,7 +300,7 @@ class _FusedRun:
             self.observer(layer, q, active, kv.keys[layer, :n])
         # positions are 0..n-1 in order, so a row's index is its position (key_pos None says so)
         attn = dispatch.selective_attention(q, kv.keys[layer, :n], kv.values[layer, :n], active, None,
-                                            runner.config.sliding_window, dense)
+                                            runner.window(layer), dense)
         rows.hidden = runner.mlp(layer, runner.attn_out(layer, rows.hidden, attn.reshape(attn.shape[0], -1)))
         return int(active.shape[0])
 
@@ -301,7 +308,7 @@ class _FusedRun:
         """The active rows' k (as computed, and rotated) and v into the buffer, op by op; returns
         their q rotated."""
         kv, active, n = self.kv, rows.index, self.n
-        q, k_rot = qkv.rotated(rows.cos, rows.sin, active, self.runner.inv_freq)
+        q, k_rot = qkv.rotated(*rows.rope.at(layer), active, self.runner.inv_freq_at(layer))
         dispatch.scatter_rows(kv.keys_pre[layer], active, qkv.k)
         dispatch.scatter_rows(kv.values[layer], active, qkv.v)
         if self.lazy:
@@ -444,15 +451,18 @@ def decode_batch(runner: ModelRunner, kvs: list[KVBuffer], token_ids: list[int])
     positions = [kv.length for kv in kvs]
     for kv, pos in zip(kvs, positions, strict=True):
         kv.ensure_capacity(pos + 1)
-    window = runner.config.sliding_window
-    batched = dispatch.batched_decode([kv.keys_pre for kv in kvs], [kv.keys for kv in kvs],
-                                      [kv.values for kv in kvs], positions, window)
-    if batched is not None:
-        attend = batched.write_and_attend
+    # one table of key ranges per distinct window (most models: one for every layer)
+    tables = {window: dispatch.batched_decode([kv.keys_pre for kv in kvs], [kv.keys for kv in kvs],
+                                              [kv.values for kv in kvs], positions, window)
+              for window in set(runner.layer_windows)}
+    if all(table is not None for table in tables.values()):
+        def attend(layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+            return tables[runner.window(layer)].write_and_attend(layer, q, k_pre, k_rot, v)  # type: ignore[union-attr]
     else:
         def attend(layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_rot: torch.Tensor,
                    v: torch.Tensor) -> torch.Tensor:
-            return attend_each(layer, kvs, positions, window, q, k_pre, k_rot, v)
+            return attend_each(layer, kvs, positions, runner.window(layer), q, k_pre, k_rot, v)
     logits = decode_layers(runner, torch.tensor(token_ids, device=device), torch.tensor(positions, device=device),
                            attend)
     for kv, pos in zip(kvs, positions, strict=True):
@@ -470,11 +480,11 @@ def decode_layers(runner: ModelRunner, tokens: torch.Tensor, positions: torch.Te
     """Every layer of one decode step, from the new tokens [B] at `positions` [B] to logits
     [B, vocab]. It reads no value back to the host, so a CUDA graph can capture it whole."""
     # in the activations' dtype once per step, not per layer and tensor
-    cos, sin = (t.to(runner.dtype) for t in runner.rope_tables(positions))
+    rope = runner.rope_tables(positions).to(runner.dtype)
     hidden = runner.embed(tokens)
     for layer in range(runner.num_layers):
         qkv = runner.qkv(layer, hidden)
-        q, k_rot = qkv.rotated(cos, sin)
+        q, k_rot = qkv.rotated(*rope.at(layer))
         attn = attend(layer, q, qkv.k, k_rot, qkv.v)
         hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn))
     return runner.logits(hidden)

@@ -25,6 +25,10 @@ def graphs_unavailable(runner: ModelRunner, what: str) -> str | None:
         return "CUDA graphs need a GPU"
     if dispatch.resolve_backend(runner.device) != "triton":
         return f"{what} need the Triton kernels (RAGCACHE_KERNELS is not torch, and triton imports)"
+    if runner.config.moe is not None:
+        return f"{what} cannot capture routed experts (which experts run is read back every layer)"
+    if len(set(runner.layer_windows)) > 1:
+        return f"{what} hold one attention window, and this model's layers differ in theirs"
     return None
 
 

@@ -183,7 +183,7 @@ class PrefillGraphs:
         inputs = torch.zeros(table.TABLE_SIZE + size, dtype=torch.int64, device=device)
         staging = torch.zeros(table.TABLE_SIZE, dtype=torch.int64, pin_memory=device.type == "cuda")
         view = table.PrefillTable(inputs[: table.TABLE_SIZE], inputs[table.TABLE_SIZE :], c.num_heads,
-                                  c.num_kv_heads, c.head_dim, self._splits(size), c.sliding_window)
+                                  c.num_kv_heads, c.head_dim, self._splits(size), self.runner.window(0))
         hidden = torch.zeros(size, c.hidden_size, dtype=self.runner.dtype, device=device)
         graph = SparseGraph(size, first_layer, inputs, staging, hidden, view)
         # warm-up and capture store into a one-row buffer of their own, never a request's
@@ -263,7 +263,7 @@ class PrefillGraphs:
         hidden = graph.hidden
         for layer in range(graph.first_layer, runner.num_layers):
             qkv = runner.qkv(layer, hidden)
-            q = view.store(layer, qkv.joint, runner.inv_freq)  # type: ignore[attr-defined]
+            q = view.store(layer, qkv.joint, runner.inv_freq_at(layer))  # type: ignore[attr-defined]
             attn = view.attend(layer, q)  # type: ignore[attr-defined]
             hidden = runner.mlp(layer, runner.attn_out(layer, hidden, attn.reshape(graph.bucket, -1)))
         last = hidden.index_select(0, graph.inputs[LAST_ROW : LAST_ROW + 1])

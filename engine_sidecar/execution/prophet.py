@@ -213,13 +213,14 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
     c = runner.config
     ids = plan.token_tensor().to(device)
     positions = torch.arange(n, device=device)
-    cos, sin = runner.rope_tables(positions)
+    rope = runner.rope_tables(positions)
     computed = computed.to(device)
     reader_rows = readers.nonzero().squeeze(1).to(device)  # indices: boolean indexing would sync a GPU per layer
-    cos_c, sin_c, pos_c = cos[computed], sin[computed], positions[computed]
-    # the masks once, not per layer (positions do not change); scores summed on the device
-    visible = VisibleKeys.of(pos_c, positions, c.sliding_window)
-    visible_readers = VisibleKeys.of(pos_c[reader_rows], positions, c.sliding_window)
+    rope_c, pos_c = rope.take(computed), positions[computed]
+    # the masks once per window, not per layer (positions do not change); scores summed on the device
+    windows = set(runner.layer_windows)
+    visible = {w: VisibleKeys.of(pos_c, positions, w) for w in windows}
+    visible_readers = {w: VisibleKeys.of(pos_c[reader_rows], positions, w) for w in windows}
     summed = torch.zeros(n, device=device)
     fused_d = fused.to(device)
     hidden = runner.embed(ids[computed])
@@ -234,6 +235,8 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
     next_logits = None
     for layer in range(depth):
         qkv = runner.qkv(layer, hidden)
+        cos_c, sin_c = rope_c.at(layer)
+        window = runner.window(layer)
         q = apply_rope(qkv.q, cos_c, sin_c)
         if reused is not None:
             rotated, values = reused.keys[layer], reused.values[layer]
@@ -247,11 +250,11 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
                     keys[span.start : span.end] = span.cached.keys[layer]
                     values[span.start : span.end] = span.cached.values[layer]
             keys[computed], values[computed] = qkv.k, qkv.v
-            rotated = apply_rope(keys, cos, sin)
+            rotated = apply_rope(keys, *rope.at(layer))
         if layer + 1 < depth or finish_last:
             # the readers' scores and every probed token's attention output from one softmax
             layer_scores, attn = probe_attention(q, rotated, values, pos_c, positions, reader_rows, fused_d,
-                                                 c.sliding_window, visible)
+                                                 window, visible[window])
             summed += layer_scores
             if layer + 1 < depth:
                 hidden = mlp(runner, layer, runner.attn_out(layer, hidden, attn.reshape(attn.shape[0], -1)))
@@ -261,7 +264,7 @@ def probe(runner: ModelRunner, plan: FusionPlan, layers: int | None = None, logi
                 next_logits = runner.logits(last)[0]
         else:
             summed += attention_scores(q[reader_rows], rotated, pos_c[reader_rows], positions, fused_d,
-                                       c.sliding_window, visible_readers)
+                                       window, visible_readers[window])
     return Probe(summed.cpu() / depth, int(computed.shape[0]) * depth, next_logits)
 
 

@@ -22,7 +22,7 @@ _USED = {"model", "device", "dtype", "ram_cache_gb", "conversations"}
 
 
 def start_vllm_backend(args: argparse.Namespace, settings: ServerSettings) -> VllmBackend:
-    from engine_sidecar.model.config import load_config
+    from engine_sidecar.model.families import load_config
     from engine_sidecar.model.prepare import resolve_model_dir
     from engine_sidecar.request.prompt import PromptBuilder
 

@@ -198,7 +198,7 @@ def test_selection_picks_the_tokens_the_question_is_made_to_attend_to(tiny_engin
     for layer, q in enumerate(queries):
         for i in local:
             position = torch.tensor([-(middle.start + i)])
-            cos, sin = runner.rope_tables(position)
+            cos, sin = runner.rope_tables(position).at(layer)
             aligned = 8.0 * q / q.norm(dim=-1, keepdim=True) * math.sqrt(q.shape[-1])
             middle.cached.keys[layer, i] = apply_rope(aligned[None], cos, sin)[0].to(middle.cached.keys.dtype)
     fused = span_masks(plan)[0]
@@ -260,7 +260,7 @@ def test_the_probe_reads_the_prefills_buffer_with_the_same_scores(tiny_engine):
         if span.cached is not None and span.mode != "fresh":
             keys_pre[:, span.start : span.end] = span.cached.keys
             values[:, span.start : span.end] = span.cached.values
-    cos, sin = runner.rope_tables(torch.arange(n))
+    cos, sin = runner.rope_tables(torch.arange(n)).at(0)
     lent = ReusedKV(apply_rope(keys_pre, cos, sin), values)
     own = probe(runner, plan)
     shared = probe(runner, plan, reused=lent)
