@@ -61,6 +61,62 @@ def make_tiny_model(out: Path, model_type: str = "llama", tokenizer_from: Path |
     return out
 
 
+# Each family's tiny random model: transformers' own config class, 3 layers, GQA, windows shorter
+# than the test prompts where the family has them, and every per-family feature switched on.
+FAMILY_CONFIGS: dict[str, dict] = {
+    "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                  rope_theta=500000.0),
+    "qwen2": dict(),
+    "mistral": dict(sliding_window=8),
+    "ministral": dict(head_dim=16, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "qwen3": dict(head_dim=32, tie_word_embeddings=True),
+    "qwen3_moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True, mlp_only_layers=[1]),
+    "gemma3_text": dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=24, tie_word_embeddings=True,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                           "rope_theta": 1000000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "phi3": dict(partial_rotary_factor=0.5, pad_token_id=0, max_position_embeddings=2048,
+                 original_max_position_embeddings=512,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                  "original_max_position_embeddings": 512,
+                                  "short_factor": [1.0, 1.3, 1.7, 2.4], "long_factor": [2.0, 2.5, 3.0, 4.0]}),
+}
+
+
+def make_family_model(out: Path, model_type: str, tokenizer_from: Path | None = None, **overrides) -> Path:
+    """A tiny random model of this family saved as transformers saves it. Weights are drawn wider
+    than transformers' initialisation (std 0.02 leaves logits near zero, where no comparison
+    tells implementations apart), norms away from their neutral value."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    params = dict(vocab_size=49152 if tokenizer_from else 256, hidden_size=96, intermediate_size=128,
+                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048,
+                  tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
+    params.update(FAMILY_CONFIGS[model_type])
+    params.update(overrides)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **params)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0 if model_type.startswith("gemma") else 1.0, 0.2)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+            else:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(str(out))
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_from / name).is_file():
+                shutil.copy(tokenizer_from / name, out / name)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smol_dir) -> Path:
     """A 3-layer random Llama with SmolLM2's tokenizer: fast engine tests with real tokenization."""
