@@ -46,6 +46,12 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from engine_sidecar.cli.check import run_check
+
+    return run_check(args.model, args.device, args.dtype, args.json, probe=not args.no_probe)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ragcache_integrations.types import Chunk, ChunkedPrompt, SamplingParams
 
@@ -274,6 +280,20 @@ def build_parser() -> argparse.ArgumentParser:
     info = model.add_parser("info", help="print a model folder's architecture as the runner reads it")
     info.add_argument("--model", default="default", help="'default' or a local HF model folder")
     info.set_defaults(func=cmd_model_info)
+
+    check = sub.add_parser("check", help="check a model folder before serving it: full prefill vs transformers, "
+                           "fusion guards, a short fidelity probe; exit 1 when a guard fails",
+                           description="Loads any supported model folder and reports, in a table (and JSON with "
+                           "--json), the guards chunk reuse rests on: full prefill vs transformers, cacheblend:1.0 "
+                           "== full, a stored chunk's keys rotated to a new position vs computed there, the GPU "
+                           "kernels vs torch where a GPU is present; then reuse and the default policy vs full "
+                           "prefill on bundled passages. Ends with one verdict line; exit code 1 when a guard fails.")
+    check.add_argument("--model", default="default", help="model folder (default: the prepared SmolLM2)")
+    check.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
+    check.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto (default: float32)")
+    check.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
+    check.add_argument("--no-probe", action="store_true", help="the guards only, without the fidelity probe")
+    check.set_defaults(func=cmd_check)
 
     gen = sub.add_parser("generate", help="answer one question over chunks through the engine",
                          description="Answer a question over chunks (files or inline text), streaming the answer; "
