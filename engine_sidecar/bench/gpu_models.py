@@ -51,8 +51,9 @@ def random_runner(model_dir: Path, device: torch.device, dtype: torch.dtype, see
     """A ModelRunner of the folder's shape with random weights made on the device (an 8B shape
     never touches the host)."""
     from engine_sidecar.model.families import load_config
+    from engine_sidecar.model.layers import DecoderLayer, Projections, RMSNorm
     from engine_sidecar.model.runner import ModelRunner
-    from engine_sidecar.model.weights import LayerWeights, ModelWeights
+    from engine_sidecar.model.weights import ModelWeights
 
     c = load_config(model_dir)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -64,10 +65,13 @@ def random_runner(model_dir: Path, device: torch.device, dtype: torch.dtype, see
         return torch.ones(n, device=device, dtype=dtype)
 
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layers = [LayerWeights(ones(c.hidden_size), rand(q + 2 * kv, c.hidden_size), None, rand(c.hidden_size, q),
-                           ones(c.hidden_size), rand(2 * c.intermediate_size, c.hidden_size),
-                           rand(c.hidden_size, c.intermediate_size), q, kv) for _ in range(c.num_layers)]
-    weights = ModelWeights(rand(c.vocab_size, c.hidden_size), layers, ones(c.hidden_size),
+    eps = c.rms_norm_eps
+    layers = [DecoderLayer(RMSNorm(ones(c.hidden_size), eps),
+                           Projections(rand(q + 2 * kv, c.hidden_size), None, rand(c.hidden_size, q), c.num_heads,
+                                       c.num_kv_heads, c.head_dim),
+                           RMSNorm(ones(c.hidden_size), eps), rand(2 * c.intermediate_size, c.hidden_size),
+                           rand(c.hidden_size, c.intermediate_size)) for _ in range(c.num_layers)]
+    weights = ModelWeights(rand(c.vocab_size, c.hidden_size), layers, RMSNorm(ones(c.hidden_size), eps),
                            rand(c.vocab_size, c.hidden_size))
     return ModelRunner(c, weights, dtype, device)
 
