@@ -37,6 +37,12 @@ def smol_dir() -> Path:
     return prepare_model()
 
 
+def copy_tokenizer(source: Path | None, out: Path) -> None:
+    for name in TOKENIZER_FILES if source is not None else ():
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
+
+
 def make_tiny_model(out: Path, model_type: str = "llama", tokenizer_from: Path | None = None, **overrides) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
@@ -54,10 +60,7 @@ def make_tiny_model(out: Path, model_type: str = "llama", tokenizer_from: Path |
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
     model.save_pretrained(str(out))
-    if tokenizer_from is not None:
-        for name in TOKENIZER_FILES:
-            if (tokenizer_from / name).is_file():
-                shutil.copy(tokenizer_from / name, out / name)
+    copy_tokenizer(tokenizer_from, out)
     return out
 
 
@@ -110,11 +113,32 @@ def make_family_model(out: Path, model_type: str, tokenizer_from: Path | None = 
             else:
                 param.normal_(0.0, 0.08)
     model.save_pretrained(str(out))
-    if tokenizer_from is not None:
-        for name in TOKENIZER_FILES:
-            if (tokenizer_from / name).is_file():
-                shutil.copy(tokenizer_from / name, out / name)
+    copy_tokenizer(tokenizer_from, out)
     return out
+
+
+def assert_batched_decode_matches_forward(runner, tol: float, steps: int = 4) -> None:
+    """Three sequences of 5, 11 and 17 tokens decoded together, token by token, give the logits a
+    full forward of each extended sequence gives."""
+    import torch
+
+    from engine_sidecar.execution.executor import decode_batch, fused_prefill
+    from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+    from engine_sidecar.execution.policies import FullPolicy
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 11, 17)]
+    kvs = [fused_prefill(runner, FusionPlan([PlanSpan("question", 0, tuple(ids), "fresh")], "full"), FullPolicy(),
+                         capacity=len(ids) + 1).kv for ids in prompts]
+    seqs = [list(ids) for ids in prompts]
+    for step in range(steps):
+        tokens = [int(t) for t in torch.randint(3, 256, (3,), generator=gen)]
+        logits = decode_batch(runner, kvs, tokens)
+        for i, token in enumerate(tokens):
+            seqs[i].append(token)
+            expected = runner.forward(torch.tensor(seqs[i]))[-1]
+            assert (logits[i].float() - expected.float()).abs().max().item() < tol, (step, i)
+            assert kvs[i].length == len(seqs[i])
 
 
 @pytest.fixture(scope="session")

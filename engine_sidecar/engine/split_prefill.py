@@ -78,8 +78,8 @@ class SplitPrefill:
         keys, values = keys.to(dtype=dtype, device=device), values.to(dtype=dtype, device=device)
         rope = self.runner.rope_tables(torch.arange(n, device=device))
         # R(-θ) undoes R(θ): same cosines, negated sines
-        keys_pre = torch.stack([apply_rope(keys[layer], rope.at(layer)[0], -rope.at(layer)[1])
-                                for layer in range(keys.shape[0])])
+        keys_pre = torch.stack([apply_rope(keys[layer], cos, -sin)
+                                for layer, (cos, sin) in enumerate(map(rope.at, range(keys.shape[0])))])
         if run.result is not None:
             own = run.result.kv
             keys_pre[:, : run.end] = own.keys_pre[:, : run.end]

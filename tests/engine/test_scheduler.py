@@ -6,14 +6,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from engine_sidecar import Engine
-from engine_sidecar.execution.executor import decode_batch, fused_prefill
-from engine_sidecar.execution.plan import FusionPlan, PlanSpan
-from engine_sidecar.execution.policies import FullPolicy
 from engine_sidecar.model.runner import ModelRunner
-from tests.conftest import make_tiny_model
+from tests.conftest import assert_batched_decode_matches_forward, make_tiny_model
 
 PASSAGES = [
     "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
@@ -23,11 +19,6 @@ PASSAGES = [
 ]
 QUESTIONS = ["Which river reaches the Atlantic?", "How high is Kilimanjaro?", "How many countries does the Danube cross?",
              "Where is Lake Baikal?", "Which is the highest mountain in Africa?", "What does Lake Baikal hold?"]
-
-
-def _prefilled(runner: ModelRunner, ids: list[int]):
-    plan = FusionPlan([PlanSpan("question", 0, tuple(ids), "fresh")], "full")
-    return fused_prefill(runner, plan, FullPolicy(), capacity=len(ids) + 1)
 
 
 @pytest.mark.parametrize("model_type,extra,dtype,tol", [
@@ -42,18 +33,7 @@ def test_batched_decode_equals_full_forward_of_each_sequence(tmp_path, model_typ
     full forward of each extended sequence gives (with a sliding window exceeded too)."""
     runner = ModelRunner.load(make_tiny_model(tmp_path / model_type, model_type, **extra), device="cpu",
                               dtype=dtype)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 11, 17)]
-    kvs = [_prefilled(runner, ids).kv for ids in prompts]
-    seqs = [list(ids) for ids in prompts]
-    for step in range(4):
-        tokens = [int(t) for t in torch.randint(3, 256, (3,), generator=gen)]
-        logits = decode_batch(runner, kvs, tokens)
-        for i, token in enumerate(tokens):
-            seqs[i].append(token)
-            expected = runner.forward(torch.tensor(seqs[i]))[-1]
-            assert (logits[i].float() - expected.float()).abs().max().item() < tol, (model_type, step, i)
-            assert kvs[i].length == len(seqs[i])
+    assert_batched_decode_matches_forward(runner, tol)
 
 
 @pytest.fixture(scope="module")

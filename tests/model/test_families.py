@@ -20,7 +20,7 @@ from engine_sidecar.execution.prophet import probe
 from engine_sidecar.model.families import load_config
 from engine_sidecar.model.families.phi3 import rotary_layout
 from engine_sidecar.model.runner import ModelRunner
-from tests.conftest import FAMILY_CONFIGS, make_family_model
+from tests.conftest import FAMILY_CONFIGS, assert_batched_decode_matches_forward, make_family_model
 
 FAMILIES = list(FAMILY_CONFIGS)
 PROMPT = 40  # tokens: past every window of the tiny models (8)
@@ -97,18 +97,7 @@ def test_ratio_one_equals_full_prefill_and_reuse_differs(family_dir):
 
 
 def test_batched_decode_equals_full_forward_of_each_sequence(family_dir):
-    runner = ModelRunner.load(family_dir, device="cpu", dtype="float32")
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 11, 17)]
-    kvs = [_full(runner, ids).kv for ids in prompts]
-    seqs = [list(ids) for ids in prompts]
-    for _ in range(3):
-        tokens = [int(t) for t in torch.randint(3, 256, (3,), generator=gen)]
-        logits = decode_batch(runner, kvs, tokens)
-        for i, token in enumerate(tokens):
-            seqs[i].append(token)
-            expected = runner.forward(torch.tensor(seqs[i]))[-1]
-            assert (logits[i] - expected).abs().max().item() < 1e-4
+    assert_batched_decode_matches_forward(ModelRunner.load(family_dir, device="cpu", dtype="float32"), 1e-4, 3)
 
 
 def test_stored_keys_rotated_equal_keys_computed_at_their_positions(family_dir):

@@ -19,7 +19,7 @@ import torch
 from engine_sidecar.model.config import ModelConfig, RopeConfig, rope_from, rope_params
 from engine_sidecar.model.families.base import Family
 from engine_sidecar.model.layers import Projections
-from engine_sidecar.model.weights import Tensors, check_q_shape
+from engine_sidecar.model.weights import ModelWeights, Tensors, check_q_shape
 
 
 def rotary_layout(head_dim: int, rotary_dim: int) -> torch.Tensor:
@@ -85,7 +85,7 @@ class Phi3(Family):
         m = f"model.layers.{i}.mlp."
         return tensors.take(m + "gate_up_proj.weight"), tensors.take(m + "down_proj.weight")
 
-    def load(self, tensors: Tensors, config: ModelConfig):  # type: ignore[no-untyped-def]
+    def load(self, tensors: Tensors, config: ModelConfig) -> ModelWeights:
         check_q_shape(tensors, "model.layers.0.self_attn.qkv_proj.weight",
                       ((config.num_heads + 2 * config.num_kv_heads) * config.head_dim, config.hidden_size))
         return super().load(tensors, config)
