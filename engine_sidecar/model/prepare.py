@@ -12,11 +12,12 @@ import tempfile
 from pathlib import Path
 
 from engine_sidecar.errors import ModelNotFoundError, UnsupportedModelError
+from engine_sidecar.model.registry import REGISTRY, registry_dir
 from engine_sidecar.paths import default_model_dir
 
 MARKER = "ragcache_prepared.json"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3moe", "gemma3", "phi3")
 
 
 def default_gguf_path() -> Path:
@@ -114,11 +115,18 @@ def prepare_model(gguf: Path | None = None, out_dir: Path | None = None, force: 
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    """'default' -> the prepared SmolLM2 folder (prepared on first use); else a local HF folder."""
+    """'default' -> the prepared SmolLM2 folder (prepared on first use); a registry model's name ->
+    its prepared folder; else a local HF folder."""
     if str(model) == "default":
         out = default_model_dir()
         return out if is_prepared(out) else prepare_model(out_dir=out)
     path = Path(model).expanduser()
+    if not path.exists() and str(model) in REGISTRY:
+        prepared = registry_dir(str(model))
+        if not is_prepared(prepared):
+            raise ModelNotFoundError(f"registry model '{model}' is not prepared here: run "
+                                     f"`ragcache model prepare --registry {model}` first")
+        return prepared
     if not path.exists():
         raise ModelNotFoundError(f"model path {path} does not exist: give a local Hugging Face model folder")
     if path.is_file() and path.suffix == ".gguf":
