@@ -55,6 +55,7 @@ from engine_sidecar.bench.gpu_counts import (
 from engine_sidecar.bench.gpu_decode import decode_section, graph_decode_guard
 from engine_sidecar.bench.gpu_http import http_section
 from engine_sidecar.bench.gpu_models import (
+    GUARD_SHAPES,
     QUESTION,
     SHAPES,
     engine_on,
@@ -246,33 +247,12 @@ def batched_decode_bench(device: torch.device, quick: bool) -> list[dict[str, An
 
 def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
                    data: Path | None) -> dict[str, Any]:
-    """Correctness on this device and dtype, on a real (saved and loaded) small random model."""
-    from engine_sidecar.engine.engine import Engine
-    from ragcache_integrations.types import ChunkedPrompt
-
-    folder = model_folder(SHAPES["small"], tokenizer_dir, work / "guard-model")
-    reference = hf_reference(SHAPES["small"], torch.device("cpu"), torch.float32)
-    reference.save_pretrained(str(folder))  # real weights in the folder: the engine loads them as any model
+    """Correctness on this device and dtype, on real (saved and loaded) small random models of each
+    family; the kernels, graphs and tiers on the Llama one."""
     tolerance = 2e-3 if dtype == torch.float32 else 0.1
-    engine = Engine.from_pretrained(folder, device=device.type, dtype=str(dtype).removeprefix("torch."), disk=False)
+    engine, out, reordered = family_guard(GUARD_SHAPES["llama"], device, dtype, tokenizer_dir, work / "guard-model",
+                                          data, tolerance)
     try:
-        chunks = passages(4, 120, lambda t: engine.builder.tokenizer.encode(t), data)
-        prompt = ChunkedPrompt(chunks=chunks, question=QUESTION)
-        full, _ = engine.prefill_logits(prompt, policy="full")
-        ids = torch.tensor([engine.builder.build(prompt).token_ids], device=device)
-        reference = reference.to(device=device, dtype=dtype)
-        with torch.no_grad():
-            hf = reference(ids, logits_to_keep=1).logits[0, -1]
-        engine.warm(chunks)
-        reordered = ChunkedPrompt(chunks=chunks[::-1], question=QUESTION)
-        ref_logits, _ = engine.prefill_logits(reordered, policy="full")
-        blend, _ = engine.prefill_logits(reordered, policy="cacheblend:1.0")
-        out: dict[str, Any] = {
-            "full_vs_transformers_max_abs": float((full.float() - hf.float()).abs().max()),
-            "full_vs_transformers_argmax_equal": int(full.argmax()) == int(hf.argmax()),
-            "cacheblend1_vs_full_max_abs": float((blend.float() - ref_logits.float()).abs().max()),
-            "tolerance": tolerance,
-        }
         if device.type == "cuda":
             previous = os.environ.get("RAGCACHE_KERNELS")
             try:
@@ -287,14 +267,56 @@ def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path
             out["graph_decode"] = graph_decode_guard(engine.runner, tolerance)
             out["graph_prefill"] = graph_prefill_guard(engine, reordered, tolerance)
         out["tiers"] = tier_round_trip(device, dtype, work)
-        out["pass"] = (out["full_vs_transformers_max_abs"] <= tolerance and out["cacheblend1_vs_full_max_abs"] <= tolerance
-                       and out.get("triton_vs_torch_engine_max_abs", 0.0) <= 4 * tolerance and out["tiers"]["pass"]
-                       and out.get("graph_decode", {}).get("pass", True)
-                       and out.get("graph_prefill", {}).get("pass", True))
-        return out
     finally:
         engine.close()
-        del reference
+    # the other families: full prefill vs transformers and ratio 1.0 vs full on this device
+    out["families"] = {}
+    for family, shape in GUARD_SHAPES.items():
+        if family != "llama":
+            other, row, _ = family_guard(shape, device, dtype, tokenizer_dir, work / f"guard-{family}", data,
+                                         tolerance)
+            other.close()
+            out["families"][family] = row
+    out["pass"] = (out["full_vs_transformers_max_abs"] <= tolerance and out["cacheblend1_vs_full_max_abs"] <= tolerance
+                   and out.get("triton_vs_torch_engine_max_abs", 0.0) <= 4 * tolerance and out["tiers"]["pass"]
+                   and out.get("graph_decode", {}).get("pass", True)
+                   and out.get("graph_prefill", {}).get("pass", True)
+                   and all(row["pass"] for row in out["families"].values()))
+    return out
+
+
+def family_guard(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, tokenizer_dir: Path,
+                 folder: Path, data: Path | None, tolerance: float) -> tuple[Any, dict[str, Any], Any]:
+    """A small random model of `shape`'s family saved as transformers saves it and loaded by the
+    engine: its full prefill against transformers' and CacheBlend at 1.0 against full on reordered
+    stored passages. Returns the open engine, the row and the reordered prompt."""
+    from engine_sidecar.engine.engine import Engine
+    from ragcache_integrations.types import ChunkedPrompt
+
+    model_folder(shape, tokenizer_dir, folder)
+    reference = hf_reference(shape, torch.device("cpu"), torch.float32)
+    reference.save_pretrained(str(folder))  # real weights in the folder: the engine loads them as any model
+    engine = Engine.from_pretrained(folder, device=device.type, dtype=str(dtype).removeprefix("torch."), disk=False)
+    chunks = passages(4, 120, lambda t: engine.builder.tokenizer.encode(t), data)
+    prompt = ChunkedPrompt(chunks=chunks, question=QUESTION)
+    full, _ = engine.prefill_logits(prompt, policy="full")
+    ids = torch.tensor([engine.builder.build(prompt).token_ids], device=device)
+    reference = reference.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        hf = reference(ids, logits_to_keep=1).logits[0, -1]
+    del reference
+    engine.warm(chunks)
+    reordered = ChunkedPrompt(chunks=chunks[::-1], question=QUESTION)
+    ref_logits, _ = engine.prefill_logits(reordered, policy="full")
+    blend, _ = engine.prefill_logits(reordered, policy="cacheblend:1.0")
+    row: dict[str, Any] = {
+        "full_vs_transformers_max_abs": float((full.float() - hf.float()).abs().max()),
+        "full_vs_transformers_argmax_equal": int(full.argmax()) == int(hf.argmax()),
+        "cacheblend1_vs_full_max_abs": float((blend.float() - ref_logits.float()).abs().max()),
+        "tolerance": tolerance,
+    }
+    row["pass"] = row["full_vs_transformers_max_abs"] <= tolerance and row["cacheblend1_vs_full_max_abs"] <= tolerance
+    return engine, row, reordered
 
 
 def graph_prefill_guard(engine, prompt, tolerance: float) -> dict[str, Any]:
@@ -608,6 +630,11 @@ def markdown(report: dict[str, Any]) -> str:
                       if p in guards["graph_prefill"]) if "graph_prefill" in guards else "")
                   + f"; tolerance {guards['tolerance']}; "
                   + _tiers_line(guards.get("tiers", {})) + ")", ""]
+        families = guards.get("families", {})
+        if families:
+            lines += ["Other families (full vs transformers, cacheblend:1.0 vs full): " + "; ".join(
+                f"{name} {'pass' if row['pass'] else 'FAIL'} {row['full_vs_transformers_max_abs']:.4g}, "
+                f"{row['cacheblend1_vs_full_max_abs']:.4g}" for name, row in families.items()), ""]
     split = report.get("kernels", {}).get("few_queries_split_keys")
     if split:
         lines += ["Selective attention, few queries (8B heads, bf16; ms):", "",

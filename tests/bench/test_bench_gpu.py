@@ -26,6 +26,9 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
     assert "CUDA" in report["kernels"]["skipped"]
     guards = report["guards"]
     assert guards["pass"] and guards["full_vs_transformers_argmax_equal"], guards
+    # each other family's small model through the engine on this device, against transformers
+    assert set(guards["families"]) == {"qwen3", "qwen3_moe", "gemma3_text"}
+    assert all(row["pass"] and row["full_vs_transformers_argmax_equal"] for row in guards["families"].values())
     tiers = guards["tiers"]
     assert tiers["host_round_trip_equal"] and tiers["disk_copy_equal"]
     assert (tiers["host_hits"], tiers["host_demotions"]) == (1, 2)  # the second moves out for the first
