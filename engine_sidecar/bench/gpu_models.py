@@ -3,7 +3,6 @@ depend on weight values), saved as real model folders, transformers' reference, 
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -96,12 +95,10 @@ def random_runner(model_dir: Path, device: torch.device, dtype: torch.dtype, see
     never touches the host), loaded by the family's own code as a checkpoint would be."""
     from transformers import AutoConfig
 
-    from engine_sidecar.model.families import family_of, load_config
+    from engine_sidecar.model.families import load_config, load_weights
     from engine_sidecar.model.runner import ModelRunner
-    from engine_sidecar.model.weights import Tensors
 
     c = load_config(model_dir)
-    raw = json.loads((model_dir / "config.json").read_text())
     gen = torch.Generator(device=device).manual_seed(seed)
     neutral = 0.0 if c.model_type.startswith("gemma") else 1.0  # Gemma's norms scale by 1 + w
     named: dict[str, torch.Tensor] = {}
@@ -110,9 +107,7 @@ def random_runner(model_dir: Path, device: torch.device, dtype: torch.dtype, see
             named[name] = torch.full(size, neutral, device=device, dtype=dtype)
         else:
             named[name] = (torch.randn(*size, device=device, generator=gen) * 0.02).to(dtype)
-    family = family_of(raw)
-    weights = family.load(Tensors.of(named, model_dir, dtype, device), c)
-    return ModelRunner(c, weights, dtype, device)
+    return ModelRunner(c, load_weights(model_dir, c, dtype, device, named), dtype, device)
 
 
 def engine_on(runner, model_dir: Path, **options):

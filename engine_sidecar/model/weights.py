@@ -65,12 +65,6 @@ class Tensors:
         self.model_dir, self.dtype, self.device = model_dir, dtype, device
         self.left = dict(named) if named is not None else _read_all(safetensors_files(model_dir))
 
-    @classmethod
-    def of(cls, named: dict[str, torch.Tensor], model_dir: Path, dtype: torch.dtype,
-           device: torch.device) -> Tensors:
-        """Tensors already in hand (random weights of a shape), named as a checkpoint names them."""
-        return cls(model_dir, dtype, device, named)
-
     def has(self, name: str) -> bool:
         return name in self.left
 

@@ -66,8 +66,11 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise CorruptModelError(f"{path} lacks or mangles a field its model type needs ({exc!r})") from exc
 
 
-def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
-    tensors = Tensors(Path(model_dir), dtype, device)
+def load_weights(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 named: dict[str, torch.Tensor] | None = None) -> ModelWeights:
+    """The folder's weights built into its family's layers; `named`: tensors already in hand (a
+    shape's random weights, named as a checkpoint names them) instead of the folder's files."""
+    tensors = Tensors(Path(model_dir), dtype, device, named)
     family = family_of({"model_type": config.model_type}, Path(model_dir) / "config.json")
     weights = family.load(tensors, config)
     tensors.refuse_leftovers()
