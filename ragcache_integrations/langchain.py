@@ -113,12 +113,13 @@ class ChunkCachedRunnable(Runnable[dict, str]):
         will hold them (same text, ids, system prompt and tenant). Pass the passages known
         together, a document's, in one call: by default each is computed after its two nearest
         passages of the call, which answers closer to full prefill than KV computed alone; 0
-        computes each alone. The response says what the warm-up cost."""
-        if self.prompt is not None:
-            raise ValueError("warm serves the chunk-structured layout: with prompt= the passages' tokens depend "
-                             "on the template around them, so requests compute and keep them in place instead")
+        computes each alone. The response says what the warm-up cost. With `prompt=` the
+        documents are formatted by `document_prompt` first, as the prompts will quote them: the
+        KV is cached under each passage's core, which both layouts share."""
         docs = [Document(page_content=d) if isinstance(d, str) else d for d in documents]
-        chunks = [Chunk(text=d.page_content, id=document_id(d, self.id_key)) for d in docs]
+        texts = [format_document(d, self.document_prompt) if self.prompt is not None else d.page_content
+                 for d in docs]
+        chunks = [Chunk(text=t, id=document_id(d, self.id_key)) for t, d in zip(texts, docs, strict=True)]
         return self.backend.warm(chunks, self.system, tenant=self.tenant, neighbours=neighbours)
 
     # --- Runnable -------------------------------------------------------------------------------

@@ -82,9 +82,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
+    from engine_sidecar.store import warmed_texts
+
     texts = [Path(f).read_text(encoding="utf-8") for f in args.chunk_file]
     with engine_from_args(args) as engine:
         print(warm_summary(engine.warm_report(texts, neighbours=args.neighbours)))
+        if engine.store.disk is not None:  # a sidecar serving this folder finds them in plain chats
+            warmed_texts.record(engine.store.disk.directory, texts)
     return 0
 
 

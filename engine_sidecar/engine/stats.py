@@ -18,8 +18,9 @@ def request_stats(planned: PlannedRequest, result: PrefillResult, ttft: float, p
         layers = num_layers
         # all work done for this request, inline precompute included; queued background work apart
         work = result.token_layers_computed + planned.precompute_token_layers
-        background = layers * sum(len(seg.token_ids) + (len(prefix.token_ids) if convention ==
-                                                         "after-prefix" else 0) for seg, prefix in planned.background)
+        background = layers * sum(len(seg.token_ids) + len(seg.lead) + (len(prefix.token_ids) if convention ==
+                                                                         "after-prefix" else 0)
+                                  for seg, prefix in planned.background)
         if planned.precompute_s:
             times["precompute_s"] = planned.precompute_s
         return GenerationStats(

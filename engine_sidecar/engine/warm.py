@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from engine_sidecar.engine.request_prep import RequestPreparer
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.request.prompt import PromptBuilder, Segment
+from engine_sidecar.request.prompt import Passage, PromptBuilder, Segment
 from engine_sidecar.reuse.neighbours import NeighbourIndex
 from engine_sidecar.reuse.precompute import Precomputer
 from ragcache_integrations.types import Chunk, ChunkedPrompt
@@ -47,7 +47,12 @@ def auto_neighbours(passages: int) -> int:
 
 def neighbour_index(builder: PromptBuilder, chunks: Sequence[Chunk | str]) -> NeighbourIndex:
     """A pool of passages to choose warm-up neighbours from; build it once for many warm calls."""
-    return NeighbourIndex.build([builder.chunk_segment(_chunk(c)) for c in chunks])
+    return NeighbourIndex.build([_whole(builder.passage(_chunk(c))) for c in chunks if _chunk(c).text.strip()])
+
+
+def _whole(passage: Passage) -> Segment:
+    """A passage as one segment, every token of it: what a neighbour contributes before a chunk."""
+    return Segment("chunk", tuple(t for s in passage.segments for t in s.token_ids), passage.core.chunk_id)
 
 
 def warm_chunks(builder: PromptBuilder, prep: RequestPreparer, precompute: Precomputer, chunks: list[Chunk | str],
@@ -59,25 +64,29 @@ def warm_chunks(builder: PromptBuilder, prep: RequestPreparer, precompute: Preco
     if neighbours is not None and not 0 <= neighbours <= MAX_NEIGHBOURS:
         raise InvalidPromptError(f"neighbours must be 0 to {MAX_NEIGHBOURS}, got {neighbours}")
     prefix = builder.prefix_segment(system if system is not None else DEFAULT_SYSTEM)
-    segs: list[Segment] = []
+    passages: list[Passage] = []
     for i, raw in enumerate(chunks):
-        seg = builder.chunk_segment(_chunk(raw))
-        prep.check_chunk_fits(seg, i)
-        segs.append(seg)
+        passage = builder.passage(_chunk(raw))
+        prep.check_chunk_fits(_whole(passage), i)
+        passages.append(passage)
+    # a one-word passage has no core: nothing of it is cached, every request computes it
+    cached = [p for p in passages if p.core.token_ids]
     index = None
     if neighbours != 0:
         index = pool if isinstance(pool, NeighbourIndex) else NeighbourIndex.build(
-            segs if pool is None else [builder.chunk_segment(_chunk(c)) for c in pool])
+            [_whole(p) for p in passages] if pool is None else [_whole(builder.passage(_chunk(c))) for c in pool
+                                                                if _chunk(c).text.strip()])
         neighbours = auto_neighbours(len(index.segments)) if neighbours is None else neighbours
     tokens = []
-    for seg in segs:
+    for passage in cached:
         if index is None or not neighbours:
-            tokens.append(precompute.warm_segment(seg, prefix, tenant))
+            tokens.append(precompute.warm_segment(passage.core, prefix, tenant, passage.head.token_ids))
             continue
-        context = index.nearest(seg, neighbours)
+        whole = _whole(passage)
+        context = index.nearest(whole, neighbours)
         # the least similar neighbours give way first when the window cannot hold them all
-        while context and len(prefix.token_ids) + sum(len(s.token_ids) for s in [*context, seg]) >= prep.max_context:
+        while context and len(prefix.token_ids) + sum(len(s.token_ids) for s in [*context, whole]) >= prep.max_context:
             context = context[1:]
-        tokens.append(precompute.warm_after_neighbours(seg, prefix, context, tenant))
-    return WarmReport(len(segs), sum(1 for t in tokens if t), neighbours or 0, sum(tokens),
+        tokens.append(precompute.warm_after_neighbours(passage, prefix, context, tenant))
+    return WarmReport(len(passages), sum(1 for t in tokens if t), neighbours or 0, sum(tokens),
                       time.perf_counter() - started)

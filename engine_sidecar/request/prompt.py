@@ -1,12 +1,20 @@
-"""Prompt assembly by segments: template prefix, one segment per chunk, question + template suffix.
+"""Prompt assembly by segments: template prefix, the passages, question + template suffix.
 
-Each segment is tokenized on its own and the ids are concatenated, so a chunk yields the same
+Each passage is tokenized on its own and the ids are concatenated, so a chunk yields the same
 token ids wherever it sits. The chat template is rendered once with sentinel strings in the user
 turn and split there, which works for any template (ChatML, Llama 3, Mistral) without knowing it.
+
+A passage's cached identity is its *core*: the tokens from its first whitespace to its last
+(`core_bounds`). Its first and last words join whatever the text around them is (" The" after a
+space, ".\n\n" in Qwen's and Llama 3's tokenizers), so they are computed with the request as
+separators; the core tokenizes the same wherever the passage is quoted. That is what lets KV
+warmed or computed in the engine's layout serve a chat that quotes the passage (the verbatim
+layout), and the other way round.
 """
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +38,28 @@ class Segment:
     kind: SegmentKind
     token_ids: tuple[int, ...]
     chunk_id: str | None = None
+    # a chunk's first word as the engine's layout tokenizes it: what a precompute of the chunk
+    # computes before its core, in every layout, so KV computed alone is the same KV
+    lead: tuple[int, ...] = ()
 
 
 def segment_digest(segment: Segment) -> str:
     """A segment's content identity: the digest of its token ids."""
     return token_ids_digest(segment.token_ids)
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One passage in the engine's layout: its first word, its core (cached), the rest with the
+    blank line after it."""
+
+    head: Segment
+    core: Segment
+    tail: Segment
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [s for s in (self.head, self.core, self.tail) if s.token_ids]
 
 
 @dataclass(frozen=True)
@@ -49,6 +74,33 @@ class AssembledPrompt:
         return sum(len(s.token_ids) for s in self.segments)
 
 
+def core_bounds(passage: str) -> tuple[int, int]:
+    """Character offsets [start, end) of a stripped passage's core. Whitespace splits words in
+    every tokenizer we load (regex pre-tokenizers and SentencePiece alike), so a token never
+    spans the first or the last whitespace with different ids in different contexts. Text without
+    whitespace (Chinese, Japanese) falls back to where a run of letters or digits ends. (0, 0): no
+    core (a single word), the passage is computed with the request."""
+    spaces = [i for i in (_first_space(passage), _last_space(passage)) if i is not None]
+    if len(spaces) == 2 and spaces[0] < spaces[1]:
+        return spaces[0], spaces[1]
+    ends = [i for i in range(1, len(passage)) if passage[i - 1].isalnum() and not passage[i].isalnum()]
+    if len(ends) >= 2:
+        return ends[0], ends[-1]
+    return 0, 0
+
+
+def _first_space(text: str) -> int | None:
+    match = re.search(r"\s", text)
+    return match.start() if match else None
+
+
+def _last_space(text: str) -> int | None:
+    for i in range(len(text) - 1, -1, -1):
+        if text[i].isspace():
+            return i
+    return None
+
+
 def check_text(field: str, text: str) -> None:
     try:
         text.encode("utf-8")
@@ -60,6 +112,7 @@ class PromptBuilder:
     def __init__(self, tokenizer, cache_size: int = 4096):
         self.tokenizer = tokenizer
         self._token_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._passages: OrderedDict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = OrderedDict()
         self._cache_size = cache_size
         # the chat template rendered around a system prompt: a jinja render per request otherwise
         self._frames: OrderedDict[str, tuple[str, str]] = OrderedDict()
@@ -129,15 +182,40 @@ class PromptBuilder:
 
     def build_followup(self, prompt: ChunkedPrompt, known_digests: set[str]) -> AssembledPrompt:
         """The segments a conversation's next turn adds after its history: turn separator, the
-        chunks the conversation does not hold yet (by content: the digest of their token ids,
-        never the caller's id, which a new passage may reuse), the question."""
+        passages the conversation does not hold yet (by content: the digest of their core's token
+        ids, never the caller's id, which a new passage may reuse), the question."""
         full = self.build(prompt)
         separator = Segment("separator", self.encode(self.turn_separator(prompt.system)))
-        new = [s for s in full.segments if s.kind == "chunk" and segment_digest(s) not in known_digests]
+        new = [seg for group in self._passage_groups(prompt.chunks)
+               if segment_digest(group.core) not in known_digests for seg in group.segments]
         return AssembledPrompt([separator, *new, full.segments[-1]])
 
     def chunk_segment(self, chunk: Chunk) -> Segment:
-        return Segment("chunk", self.encode(chunk.text.strip() + "\n\n"), chunk.id)
+        """The passage's core: what its KV is cached under (empty for a one-word passage)."""
+        return self.passage(chunk).core
+
+    def passage(self, chunk: Chunk) -> Passage:
+        """The passage as the engine's layout sends it (`text.strip() + "\n\n"`), cut at its core."""
+        text = chunk.text.strip()
+        cached = self._passages.get(text)
+        if cached is None:
+            encoded = self.tokenizer(text + "\n\n", add_special_tokens=False, return_offsets_mapping=True)
+            ids = [int(t) for t in encoded["input_ids"]]
+            firsts = [first for first, _ in encoded["offset_mapping"]]
+            start, end = core_bounds(text)
+            head = tuple(t for t, f in zip(ids, firsts, strict=True) if f < start)
+            core = tuple(t for t, f in zip(ids, firsts, strict=True) if start <= f < end)
+            tail = tuple(ids[len(head) + len(core):])
+            cached = self._passages[text] = (head, core, tail)
+            if len(self._passages) > self._cache_size:
+                self._passages.popitem(last=False)
+        else:
+            self._passages.move_to_end(text)
+        head, core, tail = cached
+        return Passage(Segment("separator", head), Segment("chunk", core, chunk.id, head), Segment("separator", tail))
+
+    def _passage_groups(self, chunks: list[Chunk]) -> list[Passage]:
+        return [self.passage(chunk) for chunk in chunks if chunk.text.strip()]
 
     def prefix_segment(self, system: str) -> Segment:
         return Segment("prefix", self.encode(self._frame(system)[0]))
@@ -153,8 +231,8 @@ class PromptBuilder:
         segments = [Segment("prefix", self.encode(head))]
         for i, chunk in enumerate(prompt.chunks):
             check_text(f"chunks[{i}].text", chunk.text)
-            if not chunk.text.isspace() and chunk.text:  # blank after normalizing: nothing to send
-                segments.append(self.chunk_segment(chunk))
+        for group in self._passage_groups(prompt.chunks):  # blank after normalizing: nothing to send
+            segments.extend(group.segments)
         question = QUESTION_TEMPLATE.format(question=prompt.question.strip()) if prompt.chunks else prompt.question
         segments.append(Segment("question", self.encode(question + tail)))
         return AssembledPrompt(segments)
@@ -207,10 +285,10 @@ class PromptBuilder:
         The whole text is tokenized once and each token goes to the segment its first character
         lies in, so the token ids are exactly those of the plain chat (cutting the text first and
         tokenizing the pieces could merge differently at a cut). A chunk is cached under the
-        tokens that fell in it; a passage usually starts and ends at a newline, where the
-        tokenizer splits anyway, so it gets the same tokens wherever it is quoted."""
+        tokens of its core (`core_bounds`), which are the same wherever the passage is quoted and
+        in the engine's own layout; its first and last words go with the text around them."""
         text = self.render_chat(messages)
-        spans: list[tuple[int, int, Chunk]] = []
+        cores: list[tuple[int, int, Chunk]] = []
         cursor = 0
         for i, chunk in enumerate(chunks):
             check_text(f"chunks[{i}].text", chunk.text)
@@ -223,20 +301,24 @@ class PromptBuilder:
                 raise InvalidPromptError(
                     f"chunks[{i}].text does not occur {where}in the rendered messages: in the verbatim "
                     "layout every chunk must be quoted in the messages, in the order given")
-            spans.append((start, start + len(needle), chunk))
+            lo, hi = core_bounds(needle)
+            if hi > lo:
+                cores.append((start + lo, start + hi, chunk))
             cursor = start + len(needle)
-        if not spans:
+        if not cores:
             # no passage: the text before the last message's content (template, system prompt,
             # earlier turns) is the prefix, so it can still be reused exactly
             last = messages[-1].get("content", "").strip()
             cut = text.rfind(last) if last else -1
             spans_cut = [cut] if cut > 0 else []
             return self._cut(text, spans_cut, [("prefix", None), ("question", None)][-1 - len(spans_cut):])
-        cuts = [0] + [c for s, e, _ in spans for c in (s, e)]
+        cuts = [c for s, e, _ in cores for c in (s, e)]
         owners: list[tuple[SegmentKind, str | None]] = [("prefix", None)] + [
-            kind for _, _, chunk in spans for kind in (("chunk", chunk.id), ("separator", None))]
+            kind for _, _, chunk in cores for kind in (("chunk", chunk.id), ("separator", None))]
         owners[-1] = ("question", None)
-        return self._cut(text, cuts[1:], owners)
+        leads = iter([self.passage(chunk).head.token_ids for _, _, chunk in cores])
+        return AssembledPrompt([Segment(s.kind, s.token_ids, s.chunk_id, next(leads)) if s.kind == "chunk" else s
+                                for s in self._cut(text, cuts, owners).segments])
 
     def _cut(self, text: str, cuts: list[int], owners: list[tuple[SegmentKind, str | None]]) -> AssembledPrompt:
         """Tokenize `text` once and give each token to the part its first character lies in;

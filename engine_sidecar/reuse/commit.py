@@ -17,12 +17,13 @@ from engine_sidecar.execution.cachecraft import (
     variant_to_meta,
 )
 from engine_sidecar.execution.executor import KVBuffer, PrefillResult
-from engine_sidecar.execution.plan import PlanSpan
+from engine_sidecar.execution.plan import FusionPlan, PlanSpan
+from engine_sidecar.request.fingerprint import token_ids_digest
 from engine_sidecar.request.keys import KeyFactory
 from engine_sidecar.reuse.cptree import CPTree
 from engine_sidecar.reuse.planner import IN_CONTEXT, PlannedRequest
 from engine_sidecar.store.chunk_store import ChunkStore
-from engine_sidecar.store.entry import CacheKey, ChunkKV
+from engine_sidecar.store.entry import LEAD_META, CacheKey, ChunkKV
 
 
 class ReuseWriter:
@@ -57,6 +58,22 @@ class ReuseWriter:
             if then is not None:
                 then()
 
+    def _first_chunk_after_prefix(self, plan: FusionPlan, kv: KVBuffer,
+                                  tenant: str) -> list[tuple[CacheKey, ChunkKV, Callable[[], None] | None]]:
+        """The first chunk computed fresh right behind a fresh template prefix (only its first
+        word between) is what a precompute under the after-prefix convention stores."""
+        lead: list[int] = []
+        for span in plan.spans[1:]:
+            if span.kind == "separator":
+                lead.extend(span.token_ids)
+                continue
+            if span.kind != "chunk" or span.mode != "fresh":
+                return []
+            key, entry = self._span_entry(kv, span, tenant, self.keys.chunk_context(plan.spans[0]),
+                                          {LEAD_META: token_ids_digest(lead)})
+            return [(key, entry, None)]
+        return []
+
     def _writes(self, planned: PlannedRequest, kv: KVBuffer,
                 tenant: str) -> list[tuple[CacheKey, ChunkKV, Callable[[], None] | None]]:
         """What `commit` stores, in order, each with what follows its store (a CP-Tree node joins
@@ -66,10 +83,8 @@ class ReuseWriter:
         first = plan.spans[0]
         if first.kind == "prefix" and first.mode == "fresh":
             writes.append((*self._span_entry(kv, first, tenant, "exact"), None))
-            if self.keys.convention == "after-prefix" and len(plan.spans) > 1:
-                nxt = plan.spans[1]
-                if nxt.kind == "chunk" and nxt.mode == "fresh":
-                    writes.append((*self._span_entry(kv, nxt, tenant, self.keys.chunk_context(first)), None))
+            if self.keys.convention == "after-prefix":
+                writes.extend(self._first_chunk_after_prefix(plan, kv, tenant))
         kept: dict[int, ChunkKV] = {}
         for index, proposed in planned.new_nodes:  # KV first: a node in the tree always has its KV
             key, kept[index] = self._span_entry(kv, plan.spans[index], tenant, "", key=self.keys.for_node(proposed))

@@ -40,8 +40,9 @@ class PlanStage:
         when this request allows it."""
         return self.store.get(key, lazy=self.lazy_reads)
 
-    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
-        return self.precomputer.precompute_chunk(chunk_seg, prefix, tenant)
+    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str,
+                         lead: tuple[int, ...] = ()) -> tuple[ChunkKV, int]:
+        return self.precomputer.precompute_chunk(chunk_seg, prefix, tenant, lead)
 
     def plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, lazy: bool = True) -> PlannedRequest:
         disk_hits, redis_hits = self.store.hits_disk, self.store.hits_redis

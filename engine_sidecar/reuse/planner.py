@@ -32,7 +32,7 @@ from engine_sidecar.request.reorder import ChunkAccessTable, access_key
 from engine_sidecar.reuse.conversation import Conversation, ConversationStore
 from engine_sidecar.reuse.cptree import CPNode, CPTree, chain_digest
 from engine_sidecar.store.chunk_store import ChunkStore
-from engine_sidecar.store.entry import IN_CONTEXT, CacheKey, ChunkKV
+from engine_sidecar.store.entry import IN_CONTEXT, LEAD_META, CacheKey, ChunkKV
 from ragcache_integrations.types import ChunkedPrompt
 
 
@@ -53,7 +53,8 @@ class PlanningState(Protocol):
 
     def lookup(self, key: CacheKey) -> ChunkKV | None: ...
 
-    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]: ...
+    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str,
+                         lead: tuple[int, ...] = ()) -> tuple[ChunkKV, int]: ...
 
 
 # key context of chunk KV computed inside a request (a miss computed in place), any position
@@ -79,6 +80,18 @@ class PlannedRequest:
 
     def observer(self) -> AttentionRecorder | None:
         return AttentionRecorder(self.craft) if self.craft else None
+
+
+def _behind_prefix_as_computed(out: PlannedRequest, prefix: Segment, entry: ChunkKV) -> bool:
+    """Whether after-prefix KV sits where it was computed: right behind the template prefix and
+    the tokens it was computed after (the passage's first word), no chunk between."""
+    spans = out.plan.spans
+    if not spans or spans[0].kind != "prefix" or spans[0].token_ids != prefix.token_ids:
+        return False
+    if any(s.kind != "separator" for s in spans[1:]):
+        return False
+    between = [t for s in spans[1:] for t in s.token_ids]
+    return entry.meta.get(LEAD_META, token_ids_digest(())) == token_ids_digest(between)
 
 
 def edge_digests(segments: list[Segment]) -> list[str]:
@@ -375,7 +388,7 @@ class Planner:
             out.in_place.append((len(out.plan.spans), in_place_key, chain_before))
         elif engine.config.reuse.precompute == "inline":
             started = time.perf_counter()
-            span.cached, token_layers = engine.precompute_chunk(seg, prefix, tenant)
+            span.cached, token_layers = engine.precompute_chunk(seg, prefix, tenant, seg.lead)
             out.precompute_s += time.perf_counter() - started
             out.precompute_token_layers += token_layers
             engine.store.put(key, span.cached)
@@ -386,5 +399,5 @@ class Planner:
         if span.cached is not None:
             # After-prefix KV of the first chunk was computed at exactly these positions.
             exact = (from_precompute and engine.config.reuse.convention == "after-prefix"
-                     and span.start == len(prefix.token_ids) and out.conversation is None)
+                     and out.conversation is None and _behind_prefix_as_computed(out, prefix, span.cached))
             span.mode = "exact" if exact else "fuse"

@@ -14,11 +14,12 @@ from engine_sidecar.execution.executor import PrefillResult, fused_prefill
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import ReusePolicy
 from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.request.fingerprint import token_ids_digest
 from engine_sidecar.request.keys import KeyFactory
-from engine_sidecar.request.prompt import Segment
+from engine_sidecar.request.prompt import Passage, Segment
 from engine_sidecar.reuse.commit import ReuseWriter
 from engine_sidecar.store.chunk_store import ChunkStore
-from engine_sidecar.store.entry import IN_CONTEXT, ChunkKV
+from engine_sidecar.store.entry import IN_CONTEXT, LEAD_META, ChunkKV
 
 log = logging.getLogger("ragcache.precompute")
 
@@ -31,19 +32,26 @@ class Precomputer:
         self._background: queue.Queue[tuple[Segment, Segment, str] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
 
-    def compute_chunk_kv(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> ChunkKV:
-        return self.precompute_chunk(chunk_seg, prefix, tenant)[0]
+    def compute_chunk_kv(self, chunk_seg: Segment, prefix: Segment, tenant: str,
+                         lead: tuple[int, ...] = ()) -> ChunkKV:
+        return self.precompute_chunk(chunk_seg, prefix, tenant, lead)[0]
 
-    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str) -> tuple[ChunkKV, int]:
+    def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str,
+                         lead: tuple[int, ...] = ()) -> tuple[ChunkKV, int]:
         """A chunk's KV computed alone (after the prefix under the after-prefix convention), and
-        the token-layers that cost."""
+        the token-layers that cost. `lead`: the passage's first word, computed before its core so
+        the core's first tokens see it, as they do in a prompt; recorded in the entry's meta
+        (`lead`), since after-prefix KV is exact only behind the same tokens."""
         spans = [self._prefix_span(prefix, tenant)] if self.keys.convention == "after-prefix" else []
+        if lead:
+            spans.append(PlanSpan("separator", spans[-1].end if spans else 0, lead, "fresh"))
         start = spans[-1].end if spans else 0
         spans.append(PlanSpan("chunk", start, chunk_seg.token_ids, "fresh", chunk_id=chunk_seg.chunk_id))
         result = self._compute(spans, tenant)
         end = start + len(chunk_seg.token_ids)
         entry = ChunkKV(result.kv.keys_pre[:, start:end].clone(), result.kv.values[:, start:end].clone(),
-                        torch.tensor(chunk_seg.token_ids, dtype=torch.long), chunk_seg.chunk_id, tenant)
+                        torch.tensor(chunk_seg.token_ids, dtype=torch.long), chunk_seg.chunk_id, tenant,
+                        {LEAD_META: token_ids_digest(lead)})
         return entry, result.token_layers_computed
 
     def _prefix_span(self, prefix: Segment, tenant: str) -> PlanSpan:
@@ -60,27 +68,31 @@ class Precomputer:
             self.writer.store_span(result.kv, spans[0], tenant, "exact")
         return result
 
-    def warm_segment(self, seg: Segment, prefix: Segment, tenant: str) -> int:
-        """The chunk computed alone and stored; the tokens that prefilled (0: it was cached)."""
+    def warm_segment(self, seg: Segment, prefix: Segment, tenant: str, lead: tuple[int, ...] = ()) -> int:
+        """The chunk computed alone (after `lead`) and stored; the tokens that prefilled (0: it
+        was cached)."""
         key = self.keys.for_tokens(seg.token_ids, tenant, self.keys.chunk_context(prefix))
         with self._lock:
             if self.store.contains(key):
                 return 0
-            entry, token_layers = self.precompute_chunk(seg, prefix, tenant)
+            entry, token_layers = self.precompute_chunk(seg, prefix, tenant, lead)
             self.store.put(key, entry)
         return token_layers // self.runner.num_layers
 
-    def warm_after_neighbours(self, seg: Segment, prefix: Segment, neighbours: list[Segment], tenant: str) -> int:
-        """The chunk computed after the template prefix and `neighbours`, kept as its in-context
-        entry (the KV fusion prefers): what a request retrieving it with them would compute.
-        Returns the tokens that prefilled, the neighbours' included (0: it was cached)."""
+    def warm_after_neighbours(self, passage: Passage, prefix: Segment, neighbours: list[Segment],
+                              tenant: str) -> int:
+        """The passage's core computed after the template prefix, `neighbours` (whole passages)
+        and its own first word, kept as its in-context entry (the KV fusion prefers): what a
+        request retrieving it with them would compute. Returns the tokens that prefilled, the
+        neighbours' included (0: it was cached)."""
+        seg = passage.core
         key = self.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT)
         with self._lock:
             if self.store.contains(key):
                 return 0
             spans = [self._prefix_span(prefix, tenant)]
-            for other in [*neighbours, seg]:
-                spans.append(PlanSpan("chunk", spans[-1].end, other.token_ids, "fresh", chunk_id=other.chunk_id))
+            for other in [*neighbours, passage.head, seg]:
+                spans.append(PlanSpan(other.kind, spans[-1].end, other.token_ids, "fresh", chunk_id=other.chunk_id))
             result = self._compute(spans, tenant)
             # no "chain": the passages before it are not the request's, so it is never reused exactly
             meta = {"context": IN_CONTEXT, "start": str(spans[-1].start), "warmed": "neighbours",
@@ -94,7 +106,8 @@ class Precomputer:
             try:
                 if item is None:
                     return
-                self.warm_segment(*item)
+                seg, prefix, tenant = item
+                self.warm_segment(seg, prefix, tenant, seg.lead)
             except Exception:  # a failed warm only means a later miss
                 log.exception("background precompute failed")
             finally:

@@ -10,6 +10,8 @@ from engine_sidecar.server.metrics import ServerMetrics
 from engine_sidecar.server.passage_book import PassageBook
 from engine_sidecar.server.settings import ServerSettings
 from engine_sidecar.server.worker import EngineWorker
+from engine_sidecar.store import warmed_texts
+from ragcache_integrations.types import Chunk
 
 
 @dataclass
@@ -22,3 +24,10 @@ class ServerContext:
 
     def __post_init__(self) -> None:
         self.passages = PassageBook(self.settings.remember_passages)
+        store = self.backend.store
+        if store is not None and store.disk is not None:  # what `ragcache warm` computed into this folder
+            by_tenant: dict[str, list[Chunk]] = {}
+            for tenant, text in warmed_texts.read(store.disk.directory, self.settings.remember_passages * 4):
+                by_tenant.setdefault(tenant, []).append(Chunk(text=text))
+            for tenant, chunks in by_tenant.items():
+                self.passages.remember(chunks, tenant)

@@ -34,6 +34,8 @@ class CacheKey:
 
 # the context of chunk KV computed among other passages (in place, or warmed after neighbours)
 IN_CONTEXT = "in-context"
+# meta key: digest of the tokens a precomputed chunk was computed after, behind the prefix
+LEAD_META = "lead"
 
 
 def finite_kv(keys: torch.Tensor, values: torch.Tensor) -> bool:

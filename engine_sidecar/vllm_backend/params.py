@@ -55,12 +55,12 @@ def claimable_tokens(prompt_tokens: int, computed_tokens: int, block_size: int, 
 
 def leading_resident_end(segments: list[tuple[str, str, int]], resident: set[str]) -> int:
     """End position of the prompt's leading run of stored chunks: `segments` are (kind, residency
-    key, length) in prompt order; the template prefix before them counts with them (ragcache
-    computes or keeps it), the run stops at the first chunk not resident or at the question."""
+    key, length) in prompt order; the template prefix before them and each passage's first and last
+    words between them count with them (ragcache computes or keeps those), the run stops at the first chunk not resident or at the question."""
     end = position = 0
     for kind, key, length in segments:
         position += length
-        if kind == "prefix":
+        if kind in ("prefix", "separator"):  # ragcache computes them with the chunks around them
             continue
         if kind != "chunk" or key not in resident:
             break

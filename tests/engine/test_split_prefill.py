@@ -70,8 +70,8 @@ def test_a_learned_chunk_stays_with_its_tenant(tiny_engine):
 
 
 def test_a_prefix_reused_exactly_computes_nothing(tiny_engine):
-    # the same chunks after the same tokens: stored with their chain, reused exactly, no token
-    # active in any layer (the question is the other engine's to compute)
+    # the same chunks after the same tokens: stored with their chain, reused exactly; only the
+    # passages' first and last words are active (the question is the other engine's to compute)
     engine = tiny_engine
     p = prompt("ab")
     run = engine.split.prefix(p, "cacheblend", "", upto=0)
@@ -79,7 +79,10 @@ def test_a_prefix_reused_exactly_computes_nothing(tiny_engine):
     engine.split.learn(run, keys, values)
     question = next(s for s in run.planned.plan.spans if s.kind == "question")
     again = engine.split.prefix(p, "cacheblend", "", upto=question.start)
-    assert again.chunk_hits == 2 and again.token_layers == 0 and again.end == question.start
+    words = sum(len(s) for s in again.planned.plan.spans if s.kind == "separator")
+    assert [s.mode for s in again.planned.plan.spans if s.kind in ("prefix", "chunk")] == ["exact"] * 3
+    assert again.chunk_hits == 2 and again.token_layers == words * engine.runner.num_layers
+    assert again.end == question.start
     assert torch.allclose(again.result.kv.keys[:, : again.end], keys[:, : again.end], atol=1e-4)
 
 

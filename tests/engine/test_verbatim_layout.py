@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine_sidecar.errors import InvalidPromptError
+from engine_sidecar.request.prompt import core_bounds
 from ragcache_integrations import ChunkedPrompt
 from ragcache_integrations.types import Chunk
 
@@ -31,7 +32,8 @@ def test_tokens_are_the_plain_chat_tokens_cut_at_the_chunks(tiny_engine):
     kinds = [s.kind for s in assembled.segments]
     assert kinds == ["prefix", "chunk", "separator", "chunk", "question"]
     decoded = [tiny_engine.builder.decode(list(s.token_ids)).strip() for s in assembled.segments if s.kind == "chunk"]
-    assert decoded == [A, B]
+    # each chunk is cached under its core: the first and last words join the text around them
+    assert decoded == [text.strip()[slice(*core_bounds(text.strip()))].strip() for text in (A, B)]
 
 
 def test_policy_full_answers_exactly_like_the_plain_chat(tiny_engine):
@@ -132,3 +134,52 @@ def test_edge_names_keep_separator_and_chunk_apart():
     joined = edge_digests([Segment("prefix", (1,)), Segment("chunk", (5, 7), "b")])
     plain = edge_digests([Segment("prefix", (1,)), Segment("chunk", (7,), "b")])
     assert len({with_separator[0], joined[0], plain[0]}) == 3
+
+
+TEMPLATES = {  # how RAG frameworks quote retrieved passages
+    "llama_index": "Context information is below.\n---------------------\n{ctx}\n---------------------\nQuery: {q}\n"
+                   "Answer: ",
+    "rag_prompt": "Use the following pieces of retrieved context to answer the question.\nQuestion: {q} \n"
+                  "Context: {ctx} \nAnswer:",
+    "stuff": "Answer using the context:\n\n{ctx}\n\nQuestion: {q}",
+}
+PASSAGES = [A, B, "  Exeter College, Oxford is a constituent college of the University of Oxford.\n",
+            "北京是中华人民共和国的首都。它位于华北平原，是全国的政治中心。也是文化中心。",
+            '(1) "Quoted" text, with dashes - and numbers 12345.67 at the end!']
+
+
+def tokenizer_dirs(smol_dir) -> list:
+    """SmolLM2's (GPT-2 style BPE) always; Qwen2.5's (tiktoken-style regex) and Gemma 3's
+    (SentencePiece BPE) where `ragcache model prepare --registry` has put them on this machine."""
+    from engine_sidecar.model.registry import registry_dir
+
+    return [smol_dir] + [registry_dir(name) for name in ("qwen2.5-coder-0.5b", "gemma3-270m")
+                         if (registry_dir(name) / "tokenizer.json").is_file()]
+
+
+@pytest.mark.parametrize("template", list(TEMPLATES))
+def test_a_passage_core_is_the_same_tokens_in_both_layouts(smol_dir, template):
+    from engine_sidecar.request.prompt import PromptBuilder
+
+    for folder in tokenizer_dirs(smol_dir):
+        builder = PromptBuilder.load(folder)
+        chunks = [Chunk(text=t, id=str(i)) for i, t in enumerate(PASSAGES)]
+        text = TEMPLATES[template].format(ctx="\n\n".join(p.strip() for p in PASSAGES), q="Who?")
+        msgs = [{"role": "user", "content": text}]
+        assembled = builder.build(ChunkedPrompt(messages=msgs, chunks=chunks))
+        assert assembled.token_ids == list(builder.build_chat(msgs).token_ids)
+        quoted = {s.chunk_id: s.token_ids for s in assembled.segments if s.kind == "chunk"}
+        for chunk in chunks:
+            core = builder.chunk_segment(chunk).token_ids
+            assert core and quoted[chunk.id] == core, (folder.name, template, chunk.text)
+        engine_layout = builder.build(ChunkedPrompt(chunks=chunks, question="Who?"))
+        whole = [builder.encode(c.text.strip() + "\n\n") for c in chunks]
+        passages_ids = [t for s in engine_layout.segments[1:-1] for t in s.token_ids]
+        assert passages_ids == [t for ids in whole for t in ids]  # the layout's tokens are unchanged
+
+
+def test_a_one_word_passage_has_no_core_and_is_computed_with_the_request(tiny_engine):
+    assembled = tiny_engine.builder.build(ChunkedPrompt(chunks=["Paris", A], question="Where?"))
+    assert [s.chunk_id is not None for s in assembled.segments if s.kind == "chunk"] == [True]
+    result = tiny_engine.generate(ChunkedPrompt(chunks=["Paris", A], question="Where?"), {"max_tokens": 2})
+    assert result.stats.chunk_hits + result.stats.chunk_misses == 1 and result.text is not None

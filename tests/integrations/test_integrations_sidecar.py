@@ -17,6 +17,7 @@ pytest.importorskip("langchain_classic")
 
 from langchain_classic.chains import create_retrieval_chain  # noqa: E402
 from langchain_classic.chains.combine_documents import create_stuff_documents_chain  # noqa: E402
+from langchain_core.documents import Document  # noqa: E402
 
 from ragcache_integrations.langchain import ChunkCachedChatModel, ChunkCachedRunnable  # noqa: E402
 from ragcache_integrations.llama_index import ChunkCachedLLM, ChunkCachedQueryEngine  # noqa: E402
@@ -79,8 +80,11 @@ def test_langchain_runnable_and_chat_model_over_the_sidecar(sidecar):
     assert (warmed.computed, warmed.neighbours) == (3, 2)
     structured.invoke({"question": "Where is the reef?", "context": DOCS[2::-1]})
     assert (structured.last_stats["chunk_hits"], structured.last_stats["chunk_misses"]) == (3, 0)
-    with pytest.raises(ValueError, match="chunk-structured layout"):
-        runnable.warm(DOCS)
+    # with prompt= (the verbatim layout) warm computes the same passages' cores: the next prompt hits
+    fresh = [Document(page_content=d.page_content.replace("Nile", "Rhone")) for d in DOCS[:2]]
+    assert runnable.warm(fresh, neighbours=0).computed == 2
+    runnable.invoke({"input": "Where does the Rhone flow?", "context": fresh})
+    assert (runnable.last_stats["chunk_hits"], runnable.last_stats["chunk_misses"]) == (2, 0)
 
     model = ChunkCachedChatModel(base_url=sidecar, max_tokens=10, policy="full")
     plain = ChunkCachedChatModel(base_url=sidecar, max_tokens=10, recover_chunks=False)

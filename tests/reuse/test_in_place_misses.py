@@ -69,6 +69,11 @@ def test_in_place_kv_in_its_own_order_reproduces_full_prefill(tiny_engine):
     assert (full - reference).abs().max().item() > 1e-4  # another question: the check above can fail
 
 
+def first_words(engine) -> int:
+    """Tokens of the passages' first words, which a chunk's precompute computes before its core."""
+    return sum(len(engine.builder.passage(Chunk(text=t)).head.token_ids) for t in PASSAGES)
+
+
 def test_inline_precompute_is_counted_as_work(tiny_llama_dir, tmp_path):
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
                                 prefix_tree=False, precompute="inline") as engine:
@@ -76,7 +81,8 @@ def test_inline_precompute_is_counted_as_work(tiny_llama_dir, tmp_path):
         stats = engine.generate(ask(PASSAGES), {"max_tokens": 1}, policy="cacheblend:0.2").stats
         fused, fresh = span_tokens(stats, "fuse"), span_tokens(stats, "fresh")
         assert stats.chunk_misses == 3 and fused > 0
-        assert stats.token_layers_precomputed == fused * layers  # each chunk computed alone first
+        # each chunk computed alone first, after its first word (as `warm` computes it)
+        assert stats.token_layers_precomputed == (fused + first_words(engine)) * layers
         prefill = fresh * layers + fused + math.ceil(0.2 * fused) * (layers - 1)
         assert stats.token_layers_computed == stats.token_layers_precomputed + prefill
         assert stats.computed_fraction > 1.0  # a miss costs more than full prefill pays for it
@@ -89,7 +95,7 @@ def test_background_work_is_reported_apart(tiny_llama_dir, tmp_path):
         layers = engine.runner.num_layers
         stats = engine.generate(ask(PASSAGES), {"max_tokens": 1}).stats
         chunk_tokens = sum(s["positions"][1] - s["positions"][0] for s in stats.plan if s["kind"] == "chunk")
-        assert stats.token_layers_background == chunk_tokens * layers
+        assert stats.token_layers_background == (chunk_tokens + first_words(engine)) * layers
         assert stats.token_layers_computed == stats.prefill_tokens_total * layers
 
 

@@ -96,12 +96,17 @@ def test_fusion_uses_the_warmed_kv_and_ratio_one_still_equals_full(tiny_engine):
     assert (reused - full).abs().max().item() > 1e-4  # reuse alone is not full prefill
 
 
+def whole(builder, text: str) -> int:
+    """A passage's tokens in the engine's layout, first and last words included."""
+    return sum(len(s.token_ids) for s in builder.passage(Chunk(text=text)).segments)
+
+
 def test_neighbours_give_way_when_the_window_cannot_hold_them(smol_dir, tmp_path):
     model = make_tiny_model(tmp_path / "short", "llama", tokenizer_from=smol_dir, max_position_embeddings=64)
     with Engine.from_pretrained(model, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
                                 prefix_tree=False) as engine:
         prefix = len(engine.builder.prefix_segment(ChunkedPrompt.model_fields["system"].default).token_ids)
-        sizes = [len(engine.builder.chunk_segment(Chunk(text=t)).token_ids) for t in PASSAGES]
+        sizes = [whole(engine.builder, t) for t in PASSAGES]
         assert prefix + sum(sizes) >= 64 and prefix + sizes[0] + max(sizes[1:]) < 64  # room for one only
         assert engine.warm(PASSAGES[:1], neighbours=2, pool=PASSAGES) == 1
         entry = in_context_entry(engine, PASSAGES[0])
@@ -125,12 +130,15 @@ def test_bad_neighbour_counts_are_clear_errors(tiny_engine, tiny_llama_dir, tmp_
 def test_an_unset_neighbour_count_warms_passages_known_together_after_two(tiny_engine):
     builder = tiny_engine.builder
     prefix = len(builder.prefix_segment(ChunkedPrompt.model_fields["system"].default).token_ids)
-    sizes = {t: len(builder.chunk_segment(Chunk(text=t)).token_ids) for t in PASSAGES}
+    sizes = {t: whole(builder, t) for t in PASSAGES}
     report = tiny_engine.warm_report(PASSAGES)
     assert (report.chunks, report.computed, report.neighbours) == (3, 3, 2)
-    # three passages, each computed after the other two: every passage's tokens three times, and
-    # the template prefix once (the first chunk stores it; the others start from it)
-    assert report.tokens_prefilled == prefix + 3 * sum(sizes.values())
+    # three passages, each computed after the other two (whole) and its own first word: every
+    # passage twice whole and once up to its last word, and the template prefix once (the first
+    # chunk stores it; the others start from it)
+    up_to_core = sum(len(builder.passage(Chunk(text=t)).head.token_ids)
+                     + len(builder.chunk_segment(Chunk(text=t)).token_ids) for t in PASSAGES)
+    assert report.tokens_prefilled == prefix + 2 * sum(sizes.values()) + up_to_core
     assert report.seconds > 0
     for text in PASSAGES:
         entry = in_context_entry(tiny_engine, text)
