@@ -228,6 +228,8 @@ class HttpBackend:
     Each call opens its own client (one connection), so concurrent calls from threads or event
     loops never share result state or a connection pool bound to another loop.
 
+    `timeout` is one deadline for each call as a whole, a stream to its last token included.
+
     Token counting stays offline: `tokenizer` is a local HF tokenizer folder or object; without
     it, the folder the sidecar reports in /health is used when it exists on this machine, else
     a rough estimate (4 characters per token)."""
@@ -413,6 +415,16 @@ class LastCallMixin:
 
 # the stats keys every adapter promises in `.last_stats` and in response metadata
 STATS_KEYS = ("chunk_hits", "chunk_misses", "tokens_reused", "tokens_recomputed", "ttft_s")
+
+
+def usage_counts(stats: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(prompt tokens, generated tokens, prompt tokens read from the cache) of a call's stats.
+
+    Read from the cache means `tokens_reused`: prompt tokens whose KV came from the cache and was
+    used as is. Cached tokens the policy recomputed are not counted, as their KV was computed
+    again; OpenAI's `cached_tokens` and LangChain's `cache_read` mean the same: work not done."""
+    prompt = int(stats.get("prefill_tokens_total") or 0)
+    return prompt, int(stats.get("decode_tokens") or 0), int(stats.get("tokens_reused") or 0)
 
 
 def stats_dict(result: GenerationResult | None, **extra: Any) -> dict[str, Any]:

@@ -2,17 +2,25 @@
 
 Request and response bodies are the pydantic models of `api_models`, shared with the server.
 Errors come back as typed exceptions carrying the server's message and field. Only failures
-where the server surely did no work are retried (connection refused or reset before the request
-was sent, and 429/503 refusals, honouring Retry-After), so a retry never runs a generation twice.
+where the server surely did no work are retried (a connect timeout, and 429/503 refusals,
+honouring Retry-After), so a retry never runs a generation twice.
+
+`timeout` is one deadline for a whole call: retries and their pauses, the wait for the answer
+and every event of a stream. httpx's own timeouts bound each network operation only, so a
+stream whose tokens keep coming would never end on them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
+import socket
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import httpx
 
@@ -32,6 +40,7 @@ from ragcache_integrations.policy_registry import DEFAULT_POLICY
 from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationStats, SamplingParams
 
 DEFAULT_URL = "http://127.0.0.1:8808"
+T = TypeVar("T")
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -52,7 +61,7 @@ class AuthenticationError(RagCacheAPIError):
 
 
 class RateLimitError(RagCacheAPIError):
-    """429: the engine queue stayed full through all retries."""
+    """429: the engine queue stayed full through all retries (or none could start before the deadline)."""
 
 
 class ServerError(RagCacheAPIError):
@@ -64,16 +73,75 @@ class APIConnectionError(Exception):
 
 
 class APITimeoutError(APIConnectionError):
-    """No answer within the client's `timeout` (the server cancels the work when we hang up)."""
+    """The call did not finish within the client's `timeout` (the server cancels the work when we hang up)."""
 
 
-def _transport_error(exc: httpx.TransportError, base_url: object) -> APIConnectionError:
-    if isinstance(exc, httpx.TimeoutException):
-        return APITimeoutError(f"no answer from {base_url} in time: {exc!r}")
+class _Deadline:
+    """One call's time budget, started when the call starts."""
+
+    def __init__(self, seconds: float, base_url: object):
+        self.seconds, self.base_url = seconds, base_url
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        """Seconds left; the timeout error once there are none."""
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise self.error()
+        return left
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.end
+
+    def allows(self, pause: float) -> bool:
+        """Whether a retry after `pause` seconds would still start before the deadline."""
+        return time.monotonic() + pause < self.end
+
+    def error(self) -> APITimeoutError:
+        return APITimeoutError(f"no complete answer from {self.base_url} within timeout={self.seconds:g} s (one "
+                               "deadline for the whole call, retries and streaming included); the request was "
+                               "abandoned, which cancels it on the server")
+
+
+def _transport_error(exc: httpx.TransportError, deadline: _Deadline) -> APIConnectionError:
+    # httpx's timeouts are set to the time left, so one firing means the deadline has come
+    if isinstance(exc, httpx.TimeoutException) or deadline.passed():
+        return deadline.error()
+    base_url = deadline.base_url
     if isinstance(exc, httpx.ConnectError):
         return APIConnectionError(f"cannot connect to {base_url} ({exc}): is `ragcache serve` running at that "
                                   "address? It prints the address it serves on when it starts")
     return APIConnectionError(f"connection to {base_url} failed: {exc!r}")
+
+
+class _Watchdog:
+    """Shuts a streamed response's socket down at the deadline. A sync read blocked on a server
+    that went quiet cannot be interrupted otherwise: it would wait out httpx's timeout for that
+    read, which was set to the time left when the request went out."""
+
+    def __init__(self, response: httpx.Response, deadline: _Deadline):
+        self.fired = False
+        self._armed = True
+        self._lock = threading.Lock()
+        stream = response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        self._timer = threading.Timer(max(0.0, deadline.end - time.monotonic()), self._fire, (sock,))
+        self._timer.daemon = True
+        if sock is not None:  # without a socket (another transport) the read timeouts still apply
+            self._timer.start()
+
+    def _fire(self, sock: socket.socket) -> None:
+        # under the lock: once disarmed, the connection may serve another request
+        with self._lock:
+            if self._armed:
+                self.fired = True
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed = False
+        self._timer.cancel()
 
 
 def server_root(base_url: str) -> str:
@@ -227,7 +295,8 @@ def _headers(api_key: str | None, tenant: str | None, extra: Mapping[str, str] |
 
 # --- sync --------------------------------------------------------------------------------------
 class RagCacheClient:
-    """`tenant` (optional) is sent as the X-RagCache-Tenant header on every request; `headers`
+    """`timeout` (seconds) bounds each call as a whole, a stream to its last event included.
+    `tenant` (optional) is sent as the X-RagCache-Tenant header on every request; `headers`
     (optional) go with every request too (the key and the tenant take precedence)."""
 
     def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 600.0,
@@ -235,24 +304,28 @@ class RagCacheClient:
                  headers: Mapping[str, str] | None = None):
         self._http = httpx.Client(base_url=server_root(base_url), timeout=timeout,
                                   headers=_headers(api_key, tenant, headers))
-        self.retries, self.backoff_s, self.tenant = retries, backoff_s, tenant
+        self.timeout, self.retries, self.backoff_s, self.tenant = timeout, retries, backoff_s, tenant
         self.last_result: GenerateResponse | None = None
 
-    def _send(self, method: str, path: str, stream: bool = False, **kw: Any) -> httpx.Response:
-        """Send with retries; the response is returned open (stream=True) or read, never an error."""
+    def _deadline(self) -> _Deadline:
+        return _Deadline(self.timeout, self._http.base_url)
+
+    def _send(self, method: str, path: str, deadline: _Deadline, stream: bool = False, **kw: Any) -> httpx.Response:
+        """Send with retries within the deadline; the response is returned open (stream=True) or
+        read, never an error."""
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
+            request = self._http.build_request(method, path, timeout=deadline.left(), **kw)
             try:
-                response = self._http.send(self._http.build_request(method, path, **kw), stream=stream)
-            except httpx.ConnectError as exc:  # nothing listens there (refused, unknown host): say so now
-                raise _transport_error(exc, self._http.base_url) from exc
+                response = self._http.send(request, stream=stream)
             except httpx.ConnectTimeout as exc:  # nothing was sent: safe to retry
-                if last:
-                    raise _transport_error(exc, self._http.base_url) from exc
-                time.sleep(_retry_delay(attempt, self.backoff_s, None))
+                delay = _retry_delay(attempt, self.backoff_s, None)
+                if last or not deadline.allows(delay):
+                    raise _transport_error(exc, deadline) from exc
+                time.sleep(delay)
                 continue
-            except httpx.TransportError as exc:  # the server may have started the work: no retry
-                raise _transport_error(exc, self._http.base_url) from exc
+            except httpx.TransportError as exc:  # refused (say so now), or the work may have started: no retry
+                raise _transport_error(exc, deadline) from exc
             if response.status_code < 400:
                 return response
             try:
@@ -261,13 +334,38 @@ class RagCacheClient:
                 body = b""
             response.close()
             if response.status_code in _RETRY_STATUS and not last:
-                time.sleep(_retry_delay(attempt, self.backoff_s, response))
-                continue
+                delay = _retry_delay(attempt, self.backoff_s, response)
+                if deadline.allows(delay):
+                    time.sleep(delay)
+                    continue
+            # no retry left, or none that could start in time: the server's own answer says why
             raise _error_from(response.status_code, body, response.reason_phrase)
         raise AssertionError("unreachable")
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
-        return self._send(method, path, **kw).json()
+        # not streamed: the server answers all at once, so httpx's read timeout (the time left)
+        # ends the wait at the deadline
+        return self._send(method, path, self._deadline(), **kw).json()
+
+    def _events(self, path: str, body: dict[str, Any], tenant: str | None,
+                state: _StreamState | _ChatStreamState) -> Iterator[str]:
+        """A streamed call's text deltas, until its last event or the deadline."""
+        deadline = self._deadline()
+        response = self._send("POST", path, deadline, stream=True, json=body, headers=_tenant(tenant))
+        watchdog = _Watchdog(response, deadline)
+        try:
+            for line in response.iter_lines():
+                deadline.left()  # tokens that keep coming do not extend the deadline
+                event = _sse_data(line)
+                if event is not None and (delta := state.delta(event)) is not None:
+                    yield delta
+        except httpx.TransportError as exc:
+            raise _transport_error(exc, deadline) from exc
+        finally:
+            watchdog.disarm()
+            response.close()  # unread: the connection closes, which cancels the work on the server
+        if watchdog.fired:  # a body without a length ends quietly when its socket is shut down
+            raise deadline.error()
 
     def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                  policy: str = DEFAULT_POLICY, order: str = "preserve", tenant: str | None = None) -> GenerateResponse:
@@ -279,20 +377,12 @@ class RagCacheClient:
     def stream(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                policy: str = DEFAULT_POLICY, order: str = "preserve", tenant: str | None = None) -> Iterator[str]:
         """Yield text deltas; the full response (text, stats, usage) is `last_result` afterwards.
-        Stopping early closes the connection, which cancels the generation on the server."""
+        Stopping early, or the deadline passing, closes the connection, which cancels the
+        generation on the server."""
         body = _generate_body(prompt, sampling, policy, order, True)
         self.last_result = None
         state = _StreamState()
-        response = self._send("POST", "/v1/generate", stream=True, json=body, headers=_tenant(tenant))
-        try:
-            for line in response.iter_lines():
-                event = _sse_data(line)
-                if event is not None and (delta := state.delta(event)) is not None:
-                    yield delta
-        except httpx.TransportError as exc:
-            raise _transport_error(exc, self._http.base_url) from exc
-        finally:
-            response.close()
+        yield from self._events("/v1/generate", body, tenant, state)
         self.last_result = state.result
 
     def chat(self, messages: list[dict[str, Any]], chunks: list[Chunk | dict | str] | None = None,
@@ -310,16 +400,7 @@ class RagCacheClient:
         body = _stream_chat_body(messages, chunks, options)
         self.last_result = None
         state = _ChatStreamState()
-        response = self._send("POST", "/v1/chat/completions", stream=True, json=body, headers=_tenant(tenant))
-        try:
-            for line in response.iter_lines():
-                event = _sse_data(line)
-                if event is not None and (delta := state.delta(event)) is not None:
-                    yield delta
-        except httpx.TransportError as exc:
-            raise _transport_error(exc, self._http.base_url) from exc
-        finally:
-            response.close()
+        yield from self._events("/v1/chat/completions", body, tenant, state)
         self.last_result = state.result()
 
     def warm(self, chunks: list[Chunk | str], system: str | None = None, tenant: str | None = None,
@@ -356,6 +437,15 @@ class RagCacheClient:
 
 
 # --- async -------------------------------------------------------------------------------------
+async def _within(deadline: _Deadline, step: Callable[[], Awaitable[T]]) -> T:
+    """One awaited step, cut off at the deadline (httpx cancels cleanly: the connection closes)."""
+    try:
+        async with asyncio.timeout(deadline.left()):
+            return await step()
+    except TimeoutError as exc:
+        raise deadline.error() from exc
+
+
 class AsyncRagCacheClient:
     """The same surface as RagCacheClient, awaitable; `stream` is an async iterator."""
 
@@ -364,23 +454,27 @@ class AsyncRagCacheClient:
                  headers: Mapping[str, str] | None = None):
         self._http = httpx.AsyncClient(base_url=server_root(base_url), timeout=timeout,
                                        headers=_headers(api_key, tenant, headers))
-        self.retries, self.backoff_s, self.tenant = retries, backoff_s, tenant
+        self.timeout, self.retries, self.backoff_s, self.tenant = timeout, retries, backoff_s, tenant
         self.last_result: GenerateResponse | None = None
 
-    async def _send(self, method: str, path: str, stream: bool = False, **kw: Any) -> httpx.Response:
+    def _deadline(self) -> _Deadline:
+        return _Deadline(self.timeout, self._http.base_url)
+
+    async def _send(self, method: str, path: str, deadline: _Deadline, stream: bool = False,
+                    **kw: Any) -> httpx.Response:
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
+            request = self._http.build_request(method, path, timeout=deadline.left(), **kw)
             try:
-                response = await self._http.send(self._http.build_request(method, path, **kw), stream=stream)
-            except httpx.ConnectError as exc:  # nothing listens there (refused, unknown host): say so now
-                raise _transport_error(exc, self._http.base_url) from exc
+                response = await _within(deadline, functools.partial(self._http.send, request, stream=stream))
             except httpx.ConnectTimeout as exc:  # nothing was sent: safe to retry
-                if last:
-                    raise _transport_error(exc, self._http.base_url) from exc
-                await asyncio.sleep(_retry_delay(attempt, self.backoff_s, None))
+                delay = _retry_delay(attempt, self.backoff_s, None)
+                if last or not deadline.allows(delay):
+                    raise _transport_error(exc, deadline) from exc
+                await asyncio.sleep(delay)
                 continue
-            except httpx.TransportError as exc:  # the server may have started the work: no retry
-                raise _transport_error(exc, self._http.base_url) from exc
+            except httpx.TransportError as exc:  # refused (say so now), or the work may have started: no retry
+                raise _transport_error(exc, deadline) from exc
             if response.status_code < 400:
                 return response
             try:
@@ -389,13 +483,31 @@ class AsyncRagCacheClient:
                 body = b""
             await response.aclose()
             if response.status_code in _RETRY_STATUS and not last:
-                await asyncio.sleep(_retry_delay(attempt, self.backoff_s, response))
-                continue
+                delay = _retry_delay(attempt, self.backoff_s, response)
+                if deadline.allows(delay):
+                    await asyncio.sleep(delay)
+                    continue
             raise _error_from(response.status_code, body, response.reason_phrase)
         raise AssertionError("unreachable")
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
-        return (await self._send(method, path, **kw)).json()
+        return (await self._send(method, path, self._deadline(), **kw)).json()
+
+    async def _events(self, path: str, body: dict[str, Any], tenant: str | None,
+                      state: _StreamState | _ChatStreamState) -> AsyncGenerator[str, None]:
+        """A streamed call's text deltas, until its last event or the deadline."""
+        deadline = self._deadline()
+        response = await self._send("POST", path, deadline, stream=True, json=body, headers=_tenant(tenant))
+        lines = response.aiter_lines()
+        try:
+            while (line := await _within(deadline, lambda: anext(lines, None))) is not None:
+                event = _sse_data(line)
+                if event is not None and (delta := state.delta(event)) is not None:
+                    yield delta
+        except httpx.TransportError as exc:
+            raise _transport_error(exc, deadline) from exc
+        finally:
+            await response.aclose()  # unread: the connection closes, which cancels the work on the server
 
     async def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
                        policy: str = DEFAULT_POLICY, order: str = "preserve",
@@ -411,16 +523,10 @@ class AsyncRagCacheClient:
         body = _generate_body(prompt, sampling, policy, order, True)
         self.last_result = None
         state = _StreamState()
-        response = await self._send("POST", "/v1/generate", stream=True, json=body, headers=_tenant(tenant))
-        try:
-            async for line in response.aiter_lines():
-                event = _sse_data(line)
-                if event is not None and (delta := state.delta(event)) is not None:
-                    yield delta
-        except httpx.TransportError as exc:
-            raise _transport_error(exc, self._http.base_url) from exc
-        finally:
-            await response.aclose()
+        # closed with this stream when the caller stops early: the connection closes at once
+        async with contextlib.aclosing(self._events("/v1/generate", body, tenant, state)) as deltas:
+            async for delta in deltas:
+                yield delta
         self.last_result = state.result
 
     async def chat(self, messages: list[dict[str, Any]], chunks: list[Chunk | dict | str] | None = None,
@@ -434,17 +540,9 @@ class AsyncRagCacheClient:
         body = _stream_chat_body(messages, chunks, options)
         self.last_result = None
         state = _ChatStreamState()
-        response = await self._send("POST", "/v1/chat/completions", stream=True, json=body,
-                                    headers=_tenant(tenant))
-        try:
-            async for line in response.aiter_lines():
-                event = _sse_data(line)
-                if event is not None and (delta := state.delta(event)) is not None:
-                    yield delta
-        except httpx.TransportError as exc:
-            raise _transport_error(exc, self._http.base_url) from exc
-        finally:
-            await response.aclose()
+        async with contextlib.aclosing(self._events("/v1/chat/completions", body, tenant, state)) as deltas:
+            async for delta in deltas:
+                yield delta
         self.last_result = state.result()
 
     async def warm(self, chunks: list[Chunk | str], system: str | None = None,

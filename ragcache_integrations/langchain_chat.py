@@ -13,14 +13,14 @@ is a clear error, not a silent drop.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, get_args
+from typing import Any, NoReturn, get_args
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel
 from langchain_core.language_models.chat_models import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
@@ -36,6 +36,7 @@ from ragcache_integrations.backend import (
     make_backend,
     sidecar_address,
     stats_dict,
+    usage_counts,
 )
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, check_policy, forms_text
 from ragcache_integrations.recovery import REGISTRY, Recovery, to_chunked_prompt
@@ -80,7 +81,8 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
 
     `.last_stats` holds the engine stats of the last call (also in each message's
     `response_metadata["ragcache"]`); `.last_prompt` the ChunkedPrompt it sent, None when the
-    call went out as a plain chat (`last_stats["fallback_reason"]` says why)."""
+    call went out as a plain chat (`last_stats["fallback_reason"]` says why). `usage_metadata`
+    counts the prompt tokens read from the cache as `input_token_details["cache_read"]`."""
 
     # an unknown setting (a typo, an OpenAI option this class lacks) is an error, never dropped
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True, extra="forbid")
@@ -96,8 +98,10 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     seed: int | None = None
-    timeout: float | None = Field(default=600.0, description="Seconds per sidecar request")
-    max_retries: int = Field(default=3, ge=0, description="Sidecar retries on connection errors and 429/503")
+    timeout: float | None = Field(default=600.0, description="Seconds for each sidecar call as a whole (one "
+                                  "deadline: retries and streaming included); None: 600")
+    max_retries: int = Field(default=3, ge=0, description="Sidecar retries on 429/503 and connect "
+                             "timeouts, each only when it can start before the deadline")
     default_headers: dict[str, str] | None = Field(default=None, description="Headers sent with every sidecar "
                                                    "request (a gateway's, a trace id)")
     model_kwargs: dict[str, Any] = Field(default_factory=dict, description="More sampling options for every call "
@@ -149,6 +153,16 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
         raise NotImplementedError("ChunkCachedChatModel does not support tool calling: the models ragcache serves "
                                   "have no tool format. Use it for answers over retrieved documents, and a "
                                   "tool-calling model for agents")
+
+    def with_structured_output(self, schema: dict[str, Any] | type, *, include_raw: bool = False,
+                               **kwargs: Any) -> NoReturn:
+        # LangChain's default would go through bind_tools and blame tool calling, whatever the method
+        method = f", method={kwargs['method']!r}" if "method" in kwargs else ""
+        raise NotImplementedError(f"ChunkCachedChatModel does not support structured output (with_structured_output"
+                                  f"{method}): the engine has neither a JSON mode nor constrained decoding, and the "
+                                  "models ragcache serves have no tool format. Describe the format in the prompt "
+                                  "and parse the text answer (e.g. with PydanticOutputParser), or use a model "
+                                  "that supports structured output")
 
     def get_num_tokens(self, text: str) -> int:
         # offline, with the model's own tokenizer (LangChain's default would fetch GPT-2's)
@@ -207,10 +221,10 @@ class ChunkCachedChatModel(LastCallMixin, BaseChatModel):
         chunks = len(recovery.prompt.chunks) if recovery.prompt is not None else 0
         self._last_stats = stats_dict(result, chunks_sent=chunks, fallback_reason=recovery.reason or None)
         self._last_prompt = recovery.prompt
-        prompt_tokens = int(self._last_stats.get("prefill_tokens_total") or 0)
-        output_tokens = int(self._last_stats.get("decode_tokens") or 0)
+        prompt_tokens, output_tokens, reused = usage_counts(self._last_stats)
         usage = UsageMetadata(input_tokens=prompt_tokens, output_tokens=output_tokens,
-                              total_tokens=prompt_tokens + output_tokens)
+                              total_tokens=prompt_tokens + output_tokens,
+                              input_token_details=InputTokenDetails(cache_read=reused))
         return self._last_stats, usage
 
     def _metadata(self, stats: dict[str, Any], result: GenerationResult | None) -> dict[str, Any]:

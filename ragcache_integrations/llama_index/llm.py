@@ -39,6 +39,7 @@ from ragcache_integrations.backend import (
     make_backend,
     sidecar_address,
     stats_dict,
+    usage_counts,
 )
 from ragcache_integrations.llama_index import observer
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, check_policy, forms_text
@@ -48,6 +49,17 @@ from ragcache_integrations.types import ChunkedPrompt, GenerationResult, Samplin
 
 def as_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return [{"role": m.role.value, "content": m.content or ""} for m in messages]
+
+
+def response_extras(stats: dict[str, Any]) -> dict[str, Any]:
+    """A response's `raw` and `additional_kwargs`: the token usage as LlamaIndex's OpenAI LLM
+    reports it (`raw["usage"]`, which token counting handlers read, and flat counts in
+    `additional_kwargs`), with the prompt tokens read from the cache as `cached_tokens`, and the
+    engine stats under "ragcache"."""
+    prompt, completion, cached = usage_counts(stats)
+    counts = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"raw": {"usage": {**counts, "prompt_tokens_details": {"cached_tokens": cached}}},
+            "additional_kwargs": {**counts, "cached_tokens": cached, "ragcache": stats}}
 
 
 def _plain_roles(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -61,8 +73,9 @@ class ChunkCachedLLM(LastCallMixin, LLM):
     `engine_sidecar.Engine`) or `base_url=` (a `ragcache serve` sidecar).
 
     `.last_stats` holds the engine stats of the last call (also in each response's
-    `additional_kwargs["ragcache"]`), `.last_prompt` the ChunkedPrompt it sent (None when the
-    call went out as a plain chat; `.last_stats["fallback_reason"]` says why)."""
+    `additional_kwargs["ragcache"]`, next to the token usage, see `response_extras`),
+    `.last_prompt` the ChunkedPrompt it sent (None when the call went out as a plain chat;
+    `.last_stats["fallback_reason"]` says why)."""
 
     policy: str = Field(default=DEFAULT_POLICY, description=f"Recompute policy: {forms_text()}")
     order: Order = Field(default="preserve", description="preserve; frequency (the engine sorts chunks by access "
@@ -80,8 +93,10 @@ class ChunkCachedLLM(LastCallMixin, LLM):
     context_window: int | None = Field(default=None, description="Default: the model's context window")
     model: str | None = Field(default=None, description="Label only (metadata, traces): the sidecar serves one "
                               "model, whose name is used when this is left out")
-    timeout: float = Field(default=600.0, gt=0, description="Seconds per sidecar request")
-    max_retries: int = Field(default=3, ge=0, description="Sidecar retries on 429/503 and connect timeouts")
+    timeout: float = Field(default=600.0, gt=0, description="Seconds for each sidecar call as a whole (one "
+                           "deadline: retries and streaming included)")
+    max_retries: int = Field(default=3, ge=0, description="Sidecar retries on 429/503 and connect "
+                             "timeouts, each only when it can start before the deadline")
     default_headers: dict[str, str] | None = Field(default=None, description="Headers sent with every sidecar "
                                                    "request (a gateway's, a trace id)")
     additional_kwargs: dict[str, Any] = Field(default_factory=dict, description="More sampling options for every "
@@ -204,7 +219,7 @@ class ChunkCachedLLM(LastCallMixin, LLM):
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         text, stats = self._run(self._chat_messages(messages), kwargs)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                            additional_kwargs={"ragcache": stats})
+                            **response_extras(stats))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -218,7 +233,7 @@ class ChunkCachedLLM(LastCallMixin, LLM):
             # stats exist only once the engine is done: they ride on a last, empty delta
             stats = self._record(stream.result, recovery)
             yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
-                               additional_kwargs={"ragcache": stats})
+                               **response_extras(stats))
 
         return gen()
 
@@ -226,7 +241,7 @@ class ChunkCachedLLM(LastCallMixin, LLM):
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         text, stats = await self._arun(self._chat_messages(messages), kwargs)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                            additional_kwargs={"ragcache": stats})
+                            **response_extras(stats))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
@@ -239,7 +254,7 @@ class ChunkCachedLLM(LastCallMixin, LLM):
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
             stats = self._record(stream.result, recovery)
             yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
-                               additional_kwargs={"ragcache": stats})
+                               **response_extras(stats))
 
         return gen()
 
@@ -247,7 +262,7 @@ class ChunkCachedLLM(LastCallMixin, LLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         text, stats = self._run(self._completion_messages(prompt, formatted), kwargs)
-        return CompletionResponse(text=text, additional_kwargs={"ragcache": stats})
+        return CompletionResponse(text=text, **response_extras(stats))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -259,14 +274,14 @@ class ChunkCachedLLM(LastCallMixin, LLM):
                 text += delta
                 yield CompletionResponse(text=text, delta=delta)
             stats = self._record(stream.result, recovery)
-            yield CompletionResponse(text=text, delta="", additional_kwargs={"ragcache": stats})
+            yield CompletionResponse(text=text, delta="", **response_extras(stats))
 
         return gen()
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         text, stats = await self._arun(self._completion_messages(prompt, formatted), kwargs)
-        return CompletionResponse(text=text, additional_kwargs={"ragcache": stats})
+        return CompletionResponse(text=text, **response_extras(stats))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
@@ -279,6 +294,6 @@ class ChunkCachedLLM(LastCallMixin, LLM):
                 text += delta
                 yield CompletionResponse(text=text, delta=delta)
             stats = self._record(stream.result, recovery)
-            yield CompletionResponse(text=text, delta="", additional_kwargs={"ragcache": stats})
+            yield CompletionResponse(text=text, delta="", **response_extras(stats))
 
         return gen()
