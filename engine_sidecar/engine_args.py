@@ -62,9 +62,16 @@ def above_zero(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1, got {text}")
+    return value
+
+
 _PARSERS: dict[str, Callable[[str], Any]] = {"path": Path, "non_negative": non_negative, "above_zero": above_zero,
                                               "whole": whole_number, "positive": positive_int,
-                                              "temperature": fused_temperature_arg}
+                                              "temperature": fused_temperature_arg, "fraction": fraction}
 
 
 def add_flags(p: argparse.ArgumentParser, settings: list[FlagSetting]) -> None:

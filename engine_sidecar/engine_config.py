@@ -24,7 +24,7 @@ FLAT = "flat"  # field metadata: the setting's flat keyword name, where it diffe
 FLAG = "flag"  # field metadata: the setting's command-line flag (a Flag), where it has one
 
 # how a flag's text becomes the setting's value (engine_args maps each to an argparse type)
-Parse = Literal["text", "path", "non_negative", "above_zero", "whole", "positive", "temperature"]
+Parse = Literal["text", "path", "non_negative", "above_zero", "whole", "positive", "temperature", "fraction"]
 GIB, MIB = 1 << 30, 1 << 20
 
 
@@ -107,6 +107,11 @@ class ReuseConfig:
         "--fused-temperature", "attention temperature on reused chunk KV for a --policy without :tempT: auto = the "
         "T fitted for this model and policy family (`ragcache calibrate-temperature --save`; the default SmolLM2 "
         "ships cacheblend's), off = 1, or one number > 0 for every fusing policy", parse="temperature"))
+    verify_fraction: float = setting(0.0, Flag(
+        "--verify-fraction", "share of the requests that reused KV for which full prefill's first token is computed "
+        "too (after the request's first token is out) and compared: the outcome is in the request's stats "
+        "(verified_first_token) and in /metrics (ragcache_verify_total), so drift from full prefill shows in "
+        "production; each check costs one full prefill (0: off)", parse="fraction"))
     cachecraft_variants_per_chunk: int = 4  # Cache-Craft's M
     cachecraft_max_chunks: int = 1024  # Cache-Craft's N: N * M variants in all
 

@@ -141,6 +141,9 @@ class GenerationStats(BaseModel):
     tokens_reused: int = 0
     tokens_recomputed: int = 0
     tokens_computed_fresh: int = 0
+    # of tokens_reused, those placed at other positions than they were computed at (fused: the
+    # part that can differ from full prefill); the rest were reused exactly
+    tokens_fused: int = 0
     chunk_hits: int = 0
     chunk_misses: int = 0
     # token-layers computed for this request over (prompt tokens x layers): all work on its
@@ -159,6 +162,9 @@ class GenerationStats(BaseModel):
     plan: list[dict[str, Any]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
     chunks_deduplicated: int = 0  # chunks dropped because the conversation already holds them
+    # `--verify-fraction`: whether full prefill's most likely first token equals this request's
+    # reused prefill's; None when this request was not checked
+    verified_first_token: bool | None = None
 
 
 class GenerationResult(BaseModel):

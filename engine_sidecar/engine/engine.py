@@ -25,6 +25,7 @@ from engine_sidecar.engine.sequence import GenerationStream, Sequence
 from engine_sidecar.engine.sequence_steps import SequenceSteps
 from engine_sidecar.engine.split_prefill import SplitPrefill
 from engine_sidecar.engine.step import PrefillStep
+from engine_sidecar.engine.verify import FirstTokenVerifier
 from engine_sidecar.engine.warm import Pool, WarmReport, warm_chunks
 from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.execution.cachecraft import VariantIndex
@@ -100,7 +101,8 @@ class Engine:
         kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
         self.steps = SequenceSteps(self.step, runner, builder.decode,
                                    eos_token_ids(runner.config.eos_token_ids, builder.tokenizer), self.max_context,
-                                   config.reuse.convention, self.conversations, self.precompute, self.kv_pool)
+                                   config.reuse.convention, self.conversations, self.precompute, self.kv_pool,
+                                   FirstTokenVerifier(runner, config.reuse.verify_fraction))
         self.scheduler = Scheduler(runner, self._lock, self.steps, config.batching.max_batch,
                                    max(1, config.batching.kv_bytes // kv_row_bytes),
                                    decode_graphs(runner, config.batching, self.max_context))

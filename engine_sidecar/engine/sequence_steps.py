@@ -10,6 +10,7 @@ from collections.abc import Callable
 from engine_sidecar.engine.sequence import Sequence
 from engine_sidecar.engine.stats import request_stats
 from engine_sidecar.engine.step import PrefillStep
+from engine_sidecar.engine.verify import FirstTokenVerifier
 from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError
 from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.model.runner import ModelRunner
@@ -22,11 +23,12 @@ from engine_sidecar.store.entry import finite_kv
 class SequenceSteps:
     def __init__(self, step: PrefillStep, runner: ModelRunner, decode: Callable[[list[int]], str], eos_ids: set[int],
                  max_context: int, convention: str, conversations: ConversationStore, precompute: Precomputer,
-                 kv_pool: KVPool | None = None):
+                 kv_pool: KVPool | None = None, verifier: FirstTokenVerifier | None = None):
         self.step, self.runner, self.decode, self.eos_ids = step, runner, decode, eos_ids
         self.max_context, self.convention = max_context, convention
         self.conversations, self.precompute = conversations, precompute
         self.kv_pool = kv_pool  # where sequences' KV buffers come from and go back to (a CPU's)
+        self.verifier = verifier
 
     def begin(self, seq: Sequence) -> bool:
         """Scheduler step (engine lock held): plan, prefill, keep what the prefill computed, sample
@@ -55,6 +57,10 @@ class SequenceSteps:
         committed = time.perf_counter()
         self.step.commit(planned, result, seq.tenant, check_logits=False)
         seq.times["commit_s"] = time.perf_counter() - committed
+        if self.verifier is not None and self.verifier.due(planned.plan, seq.policy):
+            verified = time.perf_counter()
+            stats.verified_first_token = self.verifier.check(planned.plan, result.logits)
+            seq.times["verify_s"] = time.perf_counter() - verified
         return more
 
     def complete(self, seq: Sequence) -> None:

@@ -29,6 +29,7 @@ def request_stats(planned: PlannedRequest, result: PrefillResult, ttft: float, p
             tokens_reused=cached - recomputed,
             tokens_recomputed=recomputed,
             tokens_computed_fresh=total - cached,
+            tokens_fused=sum(len(s) for s in plan.spans if s.mode == "fuse") - recomputed,
             chunk_hits=planned.hits,
             chunk_misses=planned.misses,
             computed_fraction=work / max(1, total * layers),

@@ -56,6 +56,7 @@ def _a_value(setting) -> tuple[list[str], object]:
         "non_negative": ([flag.name, "7.5"], 7.5),
         "above_zero": ([flag.name, "7.5"], 7.5),
         "temperature": ([flag.name, "off"], "off"),
+        "fraction": ([flag.name, "0.25"], 0.25),
         "path": ([flag.name, "/tmp/kv-elsewhere"], Path("/tmp/kv-elsewhere")),
         "text": ([flag.name, "given-on-the-command-line"], "given-on-the-command-line"),
     }[flag.parse]
