@@ -16,6 +16,7 @@ changes. A prompt with no recognised passage is sent as a plain chat.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,6 +26,8 @@ from typing import Any
 from ragcache_integrations.types import Chunk, ChunkedPrompt
 
 DEFAULT_MIN_CHUNK_CHARS = 16
+# a retrieved passage quoted more often than this in one message is not context any more
+MAX_HITS_PER_PASSAGE = 8
 
 _ROLE = {"system": "system", "developer": "system", "user": "user", "human": "user",
          "assistant": "assistant", "ai": "assistant", "model": "assistant", "chatbot": "assistant"}
@@ -110,36 +113,45 @@ def _chunk_for(candidate: Candidate, text: str, id_key: str | None) -> Chunk:
 
 
 def recover(text: str, candidates: Sequence[Candidate], *, min_chars: int = DEFAULT_MIN_CHUNK_CHARS,
-            id_key: str | None = None) -> RecoveredText | None:
+            id_key: str | None = None, max_hits: int = MAX_HITS_PER_PASSAGE) -> RecoveredText | None:
     """Locate candidate passages in `text`; None when none is found.
 
     Longer passages win over shorter ones they overlap (a short passage may be a substring of a
-    longer one); among equals, the earlier in `candidates` (the newest retrieval) wins."""
+    longer one); among equals, the earlier in `candidates` (the newest retrieval) wins. Each
+    passage is searched once over the text (C-speed substring search, linear in the text) and
+    counted at most `max_hits` times; the overlap test keeps the chosen spans sorted, so the
+    whole match is O(passages x text + hits log hits), never quadratic in the text."""
     found: list[tuple[int, int, int, Candidate]] = []
     for rank, cand in enumerate(candidates):
         needle = cand.text.strip()
         if len(needle) < min_chars:
             continue  # short strings match by accident (a word of the instructions)
-        start = text.find(needle)
-        while start != -1:
+        start, hits = text.find(needle), 0
+        while start != -1 and hits < max_hits:
             found.append((start, start + len(needle), rank, cand))
-            start = text.find(needle, start + len(needle))
+            start, hits = text.find(needle, start + len(needle)), hits + 1
     if not found:
         return None
     found.sort(key=lambda f: (-(f[1] - f[0]), f[2], f[0]))
-    taken: list[tuple[int, int, Candidate]] = []
+    starts: list[int] = []  # of the spans taken, sorted; no two overlap, so their ends are sorted too
+    taken: dict[int, tuple[int, Candidate]] = {}
     for start, end, _, cand in found:
-        if all(end <= s or start >= e for s, e, _ in taken):
-            taken.append((start, end, cand))
-    taken.sort(key=lambda t: t[0])
+        at = bisect.bisect_right(starts, start)
+        if at and taken[starts[at - 1]][0] > start:
+            continue  # overlaps the span that starts before it
+        if at < len(starts) and starts[at] < end:
+            continue  # overlaps the span that starts after it
+        starts.insert(at, start)
+        taken[start] = (end, cand)
     pieces: list[str | Chunk] = []
-    cursor = taken[0][0]
-    for start, end, cand in taken:
+    cursor = starts[0]
+    for start in starts:
+        end, cand = taken[start]
         if start > cursor:
             pieces.append(text[cursor:start])
         pieces.append(_chunk_for(cand, text[start:end], id_key))
         cursor = end
-    return RecoveredText(text[: taken[0][0]], tuple(pieces), text[cursor:])
+    return RecoveredText(text[: starts[0]], tuple(pieces), text[cursor:])
 
 
 @dataclass(frozen=True)
