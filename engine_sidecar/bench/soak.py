@@ -16,7 +16,7 @@ it. RSS is a sawtooth under concurrent load (it rises while requests hold their 
 falls when they finish), so peaks are compared, not a slope. And RSS within its bound: every
 sample after the warm-up at most "RSS at idle (the model loaded) + RAM tier + the running
 requests' KV budget (`--batch-kv-gb`) + the disk write queue's bound (1 GiB) + conversation budget
-+ `--rss-allowance-mb` (activations, allocator slack)", each term a budget the server enforces.
++ passage memory (`--passage-memory-mb`) + `--rss-allowance-mb` (activations, allocator slack)", each term a budget the server enforces.
 `--rejudge soak.json` prints the table of an earlier run again.
 
     python -m engine_sidecar.bench.soak --clients 8 --minutes 10
@@ -293,13 +293,15 @@ def verdict(samples: list[Sample], outcomes: list[Outcome], idle_rss: int, args:
     ram_budget = int(args.ram_cache_gb * (1 << 30))
     disk_budget = int(args.disk_cache_gb * (1 << 30))
     conv_budget = int(args.conversation_ram_gb * (1 << 30))
+    passage_budget = int(getattr(args, "passage_memory_mb", 256.0) * MIB)
     duration = samples[-1].t if samples else 0.0
     warm = [s for s in samples if s.t <= duration * args.warmup]
     after = [s for s in samples if s.t > duration * args.warmup]
     cut = len(after) * 2 // 3
     early, late = after[:cut], after[cut:]
     batch_kv = int(getattr(args, "batch_kv_gb", 4.0) * (1 << 30))
-    ceiling = idle_rss + ram_budget + batch_kv + DISK_WRITE_QUEUE_BYTES + conv_budget + args.rss_allowance_mb * MIB
+    ceiling = (idle_rss + ram_budget + batch_kv + DISK_WRITE_QUEUE_BYTES + conv_budget + passage_budget
+               + args.rss_allowance_mb * MIB)
     peak_after = max((s.rss_bytes for s in after), default=0)
     no_late_growth = (not early or not late
                       or max(s.rss_bytes for s in late) <= max(s.rss_bytes for s in early) * 1.05 + 32 * MIB)
@@ -424,6 +426,7 @@ def run(args: argparse.Namespace, on_started: Callable[[SidecarProcess], None] |
                   "--batch-kv-gb", str(args.batch_kv_gb),
                   "--disk-cache-gb", str(args.disk_cache_gb), "--conversations", str(args.conversations),
                   "--conversation-ram-gb", str(args.conversation_ram_gb), "--max-queue", str(args.max_queue),
+                  "--passage-memory-mb", str(args.passage_memory_mb),
                   "--request-timeout", str(args.request_timeout), *args.serve_arg]
     if args.threads:
         serve_args += ["--threads", str(args.threads)]
@@ -522,6 +525,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-cache-gb", type=float, default=0.5, help="disk tier budget (GiB)")
     p.add_argument("--conversations", type=int, default=4, help="conversations kept by the server")
     p.add_argument("--conversation-ram-gb", type=float, default=0.5, help="RAM for kept conversations (GiB)")
+    p.add_argument("--passage-memory-mb", type=float, default=256.0, help="server --passage-memory-mb: passage "
+                   "texts remembered for plain chats (MiB), part of the RSS bound")
     p.add_argument("--max-queue", type=int, default=32, help="server --max-queue (above it: 429, counted apart)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="server and client timeout per request (s)")
     p.add_argument("--threads", type=int, default=0, help="server torch threads (0: torch's choice)")

@@ -23,7 +23,7 @@ class ServerContext:
     passages: PassageBook = field(init=False)
 
     def __post_init__(self) -> None:
-        self.passages = PassageBook(self.settings.remember_passages)
+        self.passages = PassageBook(self.settings.remember_passages, self.settings.passage_memory_bytes)
         store = self.backend.store
         if store is not None and store.disk is not None:  # what `ragcache warm` computed into this folder
             by_tenant: dict[str, list[Chunk]] = {}

@@ -58,6 +58,8 @@ def admin_router(ctx: ServerContext) -> APIRouter:
         target = scope_id(chunk_id, tenant) if chunk_id is not None else None
         scope = None if all_tenants else tenant
         removed = await run_on_worker(ctx, request, "clear", lambda: backend.clear_cache(target, scope))
+        if target is None:  # the tenant's (or every tenant's) whole cache: its passage memory with it
+            ctx.passages.forget(scope)
         return ClearResponse(removed=removed, chunk_id=chunk_id)
 
     @router.get("/health", response_model=HealthResponse, summary="Liveness, model and queue depth (no auth)")

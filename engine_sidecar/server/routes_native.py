@@ -50,10 +50,10 @@ def native_router(ctx: ServerContext) -> APIRouter:
         sampling = cap_max_tokens(body.sampling, "max_tokens" in body.sampling.model_fields_set, settings,
                                   "sampling.max_tokens")
         prompt = scope_prompt(body.prompt, tenant)
-        ctx.passages.remember(prompt.chunks, tenant)
 
         def make() -> Iterator[str | GenerationResult]:
-            return backend.generate(prompt, sampling, body.policy, tenant, body.order)
+            events = backend.generate(prompt, sampling, body.policy, tenant, body.order)
+            return ctx.passages.remembering(events, prompt.chunks, tenant)
 
         call = EngineCall(ctx, request, "generate", make, tenant)
         await call.start()
@@ -69,7 +69,6 @@ def native_router(ctx: ServerContext) -> APIRouter:
         tenant = resolve_tenant(body.tenant, header_tenant)
         check_chunks(body.chunks, settings)
         chunks = scope_chunks(body.chunks, tenant)
-        ctx.passages.remember(chunks, tenant)
 
         neighbours, make_pool = backend.neighbour_pool(chunks, body.neighbours)  # an unsupported engine says so here
 
@@ -79,6 +78,7 @@ def native_router(ctx: ServerContext) -> APIRouter:
             pool = make_pool()
             for chunk in chunks:
                 yield backend.warm([chunk], body.system, tenant, neighbours, pool)
+                ctx.passages.remember([chunk], tenant)  # once computed (or found cached)
 
         if not chunks:
             return WarmResponse(chunks=0, computed=0)

@@ -42,6 +42,9 @@ from ragcache_integrations.api_models import (
 )
 from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, SamplingParams
 
+# longer than any token of the tokenizers we load (Qwen's longest is 128 characters): a chat with
+# more characters than the context window times this cannot fit, and the plain path refuses it
+MAX_CHARS_PER_TOKEN = 256
 
 def openai_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter(dependencies=[Depends(auth_dependency(ctx.settings))], responses=error_responses(*ENGINE_ERRORS))
@@ -88,7 +91,6 @@ def _chunked(ctx: ServerContext, body: ChatCompletionRequest, sampling: Sampling
         raise ApiError(422, "messages: with chunks, a user message (the question) is required", "messages",
                        "question_missing")
     chunks = scope_chunks(body.chunks, tenant)
-    ctx.passages.remember(chunks, tenant)
     quoted = _quoted_in_messages(body, chunks)
     if quoted is not None:
         # the app already put the passages in its messages (as RAG frameworks do): keep its chat as
@@ -107,7 +109,8 @@ def _chunked(ctx: ServerContext, body: ChatCompletionRequest, sampling: Sampling
                                **({"system": systems[0]} if systems else {}))
 
     def make() -> Iterator[str | GenerationResult]:
-        return ctx.backend.generate(prompt, sampling, body.policy, tenant, body.order)
+        return ctx.passages.remembering(ctx.backend.generate(prompt, sampling, body.policy, tenant, body.order),
+                                        chunks, tenant)
 
     return make
 
@@ -135,8 +138,10 @@ def _plain(ctx: ServerContext, body: ChatCompletionRequest, sampling: SamplingPa
     ctx.backend.check_policy(body.policy)
 
     def make() -> Iterator[str | GenerationResult]:
-        # on the worker thread: matching the remembered passages is string search, off the event loop
-        recovered = ctx.passages.find(messages, tenant, body.conversation_id).prompt
+        # on the worker thread: matching the remembered passages is string search, off the event
+        # loop; a chat too long for the context window in any tokenization is not searched at all
+        fits = sum(len(m["content"]) for m in messages) <= ctx.backend.facts().context_window * MAX_CHARS_PER_TOKEN
+        recovered = ctx.passages.find(messages, tenant, body.conversation_id).prompt if fits else None
         if recovered is not None:
             return ctx.backend.generate(recovered, sampling, body.policy, tenant, "preserve")
         return ctx.backend.chat(messages, sampling, tenant)

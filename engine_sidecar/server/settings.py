@@ -32,3 +32,7 @@ class ServerSettings:
     remember_passages: int = setting(4096, Flag(
         "--remember-passages", "passages remembered per tenant (warmed, or sent as chunks) and found in plain chat "
         "messages, so an OpenAI app that quotes them gets their KV reused (0: off)", parse="whole"))
+    passage_memory_bytes: int = setting(256 << 20, Flag(
+        "--passage-memory-mb", "MiB of passage texts remembered for all tenants together; past it the tenant "
+        "holding the most gives up its oldest first, so a tenant within its fair share keeps its passages",
+        parse="non_negative", unit=MIB))

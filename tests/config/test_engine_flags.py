@@ -97,7 +97,7 @@ def test_serve_flags_come_from_the_server_settings(monkeypatch):
     add_serve_arguments(parser)
     options = {opt for action in parser._actions for opt in action.option_strings}
     generated = dataclass_flags(ServerSettings)
-    assert {s.flag.name for s in generated} <= options and len(generated) == 8
+    assert {s.flag.name for s in generated} <= options and len(generated) == 9
     assert settings_from_args(parser.parse_args([]), "ragcache") == ServerSettings()
     for setting in generated:
         words, value = _a_value(setting)

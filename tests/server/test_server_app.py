@@ -210,7 +210,7 @@ def test_delete_without_chunk_id_is_the_callers_tenant_only_unless_all_tenants(c
 
 
 def test_plan_reports_the_callers_chunk_ids_not_the_scoped_ones(client):
-    body = {**GOOD, "prompt": {"question": "q", "chunks": [{"id": "mine", "text": "some text"}]}, "tenant": "gamma"}
+    body = {**GOOD, "prompt": {"question": "q", "chunks": [{"id": "mine", "text": "some longer text"}]}, "tenant": "gamma"}
     plan = _post(client, "/v1/generate", body).json()["stats"]["plan"]
     assert [s["chunk_id"] for s in plan if s["kind"] == "chunk"] == ["mine"]
 
