@@ -38,7 +38,16 @@ class ApiKeyGate:
             await self.app(scope, receive, send)
             return
         body = json.dumps(error_body(401, MISSING_KEY, "authorization", "invalid_api_key")).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"www-authenticate", b"Bearer")]
+        if _has_body(scope):  # else the server reads and discards the body to keep the connection
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _has_body(scope: Scope) -> bool:
+    headers = dict(scope.get("headers", []))
+    length = headers.get(b"content-length")
+    return (length is not None and length.strip() not in (b"", b"0")) or b"chunked" in headers.get(
+        b"transfer-encoding", b"").lower()

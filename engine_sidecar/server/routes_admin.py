@@ -62,7 +62,9 @@ def admin_router(ctx: ServerContext) -> APIRouter:
             ctx.passages.forget(scope)
         return ClearResponse(removed=removed, chunk_id=chunk_id)
 
-    @router.get("/health", response_model=HealthResponse, summary="Liveness, model and queue depth (no auth)")
+    # HEAD too: load balancers probe with it
+    @router.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse,
+                      summary="Liveness, model and queue depth (no auth)")
     async def health() -> HealthResponse:
         facts = backend.facts()  # --engine vllm: a 503 once vLLM has exited
         return HealthResponse(status="ok", model=facts.model, model_path=facts.model_path,

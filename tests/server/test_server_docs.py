@@ -14,7 +14,7 @@ from engine_sidecar.server import create_app
 from engine_sidecar.server.serve_args import add_serve_arguments
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
-HEADER = re.compile(r"^### `(GET|POST|PUT|PATCH|DELETE) (/\S*)`$", re.M)
+HEADER = re.compile(r"^### `(GET|HEAD|POST|PUT|PATCH|DELETE) (/\S*)`$", re.M)
 
 
 @pytest.fixture(scope="module")
