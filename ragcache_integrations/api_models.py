@@ -85,15 +85,22 @@ class _Body(_Strict):
     _utf8 = model_validator(mode="before")(classmethod(lambda cls, v: _reject_lone_surrogates(v)))
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose KV came from the cache and was used as is "
+                                           "(the stats' tokens_reused), as OpenAI and vLLM report cache hits")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
     def of(cls, result: GenerationResult) -> Usage:
         prompt, completion = result.stats.prefill_tokens_total, len(result.token_ids)
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=result.stats.tokens_reused))
 
 
 # --- native API ---------------------------------------------------------------------------------
@@ -221,6 +228,10 @@ class ChatMessage(_Strict):
         return self.role in ("system", "developer")
 
 
+def _unserved(neutral: str) -> Any:
+    return Field(default=None, description=f"Not served: {neutral}; anything else is refused (400)")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -240,8 +251,22 @@ class ChatCompletionRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    n: int | None = Field(default=None, ge=1, le=1, description="Only 1 is supported")
+    n: int | None = Field(default=None, ge=1, description="Only 1: more is refused (400)")
     user: str | None = None
+    # OpenAI parameters this endpoint does not serve: accepted at the neutral values clients send
+    # by default, refused with a 400 naming the feature otherwise (server/openai_compat.py), so
+    # an app learns what is missing instead of reading "Extra inputs are not permitted"
+    tools: list[dict[str, Any]] | None = _unserved("[] only: tool calling is not supported")
+    tool_choice: str | dict[str, Any] | None = _unserved('"none" or "auto" only (no tools)')
+    parallel_tool_calls: bool | None = _unserved("accepted, means nothing without tools")
+    functions: list[dict[str, Any]] | None = _unserved("[] only: tool calling is not supported")
+    function_call: str | dict[str, Any] | None = _unserved('"none" or "auto" only (no tools)')
+    response_format: dict[str, Any] | None = _unserved('{"type": "text"} only: no structured output / JSON mode')
+    logprobs: bool | None = _unserved("false only: logprobs are not returned")
+    top_logprobs: int | None = _unserved("0 only: logprobs are not returned")
+    frequency_penalty: float | None = _unserved("0 only: penalties are not supported")
+    presence_penalty: float | None = _unserved("0 only: penalties are not supported")
+    logit_bias: dict[str, float] | None = _unserved("{} only: logit_bias is not supported")
     chunks: list[Chunk] | None = Field(default=None, description="Extension: retrieved chunks [{id?, text}]")
     policy: str = Field(default=DEFAULT_POLICY, max_length=64,
                         description=f"Extension: recompute policy, {policy_help()}")

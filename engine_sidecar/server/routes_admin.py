@@ -62,14 +62,18 @@ def admin_router(ctx: ServerContext) -> APIRouter:
             ctx.passages.forget(scope)
         return ClearResponse(removed=removed, chunk_id=chunk_id)
 
-    # HEAD too: load balancers probe with it
-    @router.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse,
-                      summary="Liveness, model and queue depth (no auth)")
+    @router.get("/health", response_model=HealthResponse, summary="Liveness, model and queue depth (no auth)")
     async def health() -> HealthResponse:
         facts = backend.facts()  # --engine vllm: a 503 once vLLM has exited
         return HealthResponse(status="ok", model=facts.model, model_path=facts.model_path,
                               context_window=facts.context_window, device=facts.device, dtype=facts.dtype,
                               queue_depth=ctx.worker.depth, max_queue=ctx.worker.max_queue)
+
+    @router.head("/health", response_class=Response, summary="Liveness without a body, as load balancers probe "
+                 "(no auth)")
+    async def health_probe() -> Response:
+        backend.facts()  # --engine vllm: a 503 once vLLM has exited
+        return Response(status_code=200)
 
     @router.get("/metrics", response_class=Response, summary="Prometheus metrics (no auth)",
                 responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},

@@ -25,6 +25,7 @@ from engine_sidecar.server.guards import (
     check_stops,
     resolve_tenant,
 )
+from engine_sidecar.server.openai_compat import refuse_unsupported, unsupported_route
 from engine_sidecar.server.openapi import CHAT_EVENT, ENGINE_ERRORS, error_responses, sse_responses
 from engine_sidecar.server.sse import sse, sse_response
 from engine_sidecar.server.tenancy import scope_chunks
@@ -46,6 +47,7 @@ from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, 
 # more characters than the context window times this cannot fit, and the plain path refuses it
 MAX_CHARS_PER_TOKEN = 256
 
+
 def openai_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter(dependencies=[Depends(auth_dependency(ctx.settings))], responses=error_responses(*ENGINE_ERRORS))
     settings = ctx.settings
@@ -54,6 +56,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                  summary="OpenAI-compatible chat completions, plus a `chunks` extension for RAG prompts")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                header_tenant: TenantHeader):
+        refuse_unsupported(body)
         tenant = resolve_tenant(body.tenant, header_tenant)
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         sampling = cap_max_tokens(body.sampling(), getattr(body, field) is not None, settings, field)
@@ -77,6 +80,15 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     @router.get("/v1/models", response_model=ModelList, summary="The model this server serves (OpenAI's model list)")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=settings.model_name, created=started)])
+
+    # OpenAI routes this sidecar does not serve: a 404 that says so (docs/api.md), not a bare one
+    @router.post("/v1/completions", include_in_schema=False)
+    async def completions() -> None:
+        raise unsupported_route("legacy completions", "/v1/completions")
+
+    @router.post("/v1/embeddings", include_in_schema=False)
+    async def embeddings() -> None:
+        raise unsupported_route("embeddings", "/v1/embeddings")
 
     return router
 

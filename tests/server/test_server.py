@@ -288,7 +288,7 @@ JSON = {**AUTH, "content-type": "application/json"}
         ("bad-policy", "/v1/generate", {"json": {**GOOD, "policy": "magic"}}, 422),
         ("chat-empty-messages", "/v1/chat/completions", {"json": {"messages": []}}, 422),
         ("chat-n-2", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "q"}], "n": 2}},
-         422),
+         400),
         ("warm-oversize", "/v1/chunks/warm", {"json": {"chunks": ["a" * 5000]}}, 413),
     ],
 )

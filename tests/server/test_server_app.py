@@ -97,8 +97,10 @@ BAD = [
      422, "messages.0.role"),
     ("chat-image-part", "POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}}, 422, "messages.0.content.0.type"),
-    ("chat-n-2", "POST", "/v1/chat/completions", {"json": {**CHAT, "n": 2}}, 422, "n"),
-    ("chat-unknown-option", "POST", "/v1/chat/completions", {"json": {**CHAT, "logprobs": True}}, 422, "logprobs"),
+    ("chat-n-2", "POST", "/v1/chat/completions", {"json": {**CHAT, "n": 2}}, 400, "n"),
+    ("chat-logprobs", "POST", "/v1/chat/completions", {"json": {**CHAT, "logprobs": True}}, 400, "logprobs"),
+    ("chat-unknown-option", "POST", "/v1/chat/completions", {"json": {**CHAT, "bogus_option": 1}}, 422,
+     "bogus_option"),
     ("chat-huge-max-tokens", "POST", "/v1/chat/completions", {"json": {**CHAT, "max_tokens": 10**6}}, 422,
      "max_tokens"),
     ("chat-long-stop", "POST", "/v1/chat/completions", {"json": {**CHAT, "stop": "x" * 257}}, 422, "stop.0"),
