@@ -3,9 +3,12 @@ replicas in one process) never share or collide on counters."""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from ragcache_integrations.types import GenerationResult
 
@@ -131,7 +134,24 @@ class ServerMetrics:
                     self.redis_events.labels(event).inc(max(0, count - self._redis_seen.get(event, 0)))
                     self._redis_seen[event] = count
         self.queue_depth.set(self.worker.depth)
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """The registry's metrics less the `<name>_created` samples prometheus_client adds to every
+    counter and histogram (their creation timestamps): a series per label set that no dashboard
+    here reads. Filtered at exposition because prometheus_client's own switch,
+    disable_created_metrics(), is process-wide and would change every other registry in the process."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            created = f"{family.name}_created"
+            kept = copy.copy(family)  # the registry's own family objects stay as they are
+            kept.samples = [s for s in family.samples if s.name != created]
+            yield kept
 
 
 class RequestCounter:

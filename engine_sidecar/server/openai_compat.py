@@ -48,14 +48,15 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
                 "structured output / JSON mode (response_format) is not supported by this endpoint: ask for JSON "
                 "in the prompt and validate the answer yourself"),
     Unsupported(("logprobs", "top_logprobs"), (None, False, 0),
-                "logprobs (logprobs, top_logprobs) are not returned by this endpoint: leave them unset or false"),
+                "logprobs are not returned by this endpoint: leave logprobs unset or false, top_logprobs unset "
+                "or 0"),
     Unsupported(("frequency_penalty", "presence_penalty"), (None, 0, 0.0),
                 "frequency_penalty / presence_penalty are not supported by this endpoint: leave them unset or 0; "
                 "sampling takes temperature, top_p, seed and stop"),
     Unsupported(("logit_bias",), (None, {}),
-                "logit_bias is not supported by this endpoint: leave it unset or empty; stop takes stop strings"),
-    Unsupported(("n",), (None, 1), "n > 1 (several choices per request) is not supported by this endpoint: send "
-                                   "one request per answer (with temperature > 0 and different seeds)"),
+                "logit_bias is not supported by this endpoint: leave it unset or empty"),
+    Unsupported(("n",), (None, 1), "n > 1 is not supported: send one request per answer (with temperature > 0 "
+                                   "and a different seed each)"),
 )
 
 

@@ -11,7 +11,8 @@ from pydantic.json_schema import models_json_schema
 from ragcache_integrations.api_models import ChatCompletionChunk, ErrorResponse
 
 _ERRORS = {
-    400: "Unreadable body (not UTF-8), empty question, tenant field and header disagree",
+    400: "Unreadable body (not UTF-8), empty question, tenant field and header disagree, an OpenAI feature the "
+         "chat endpoint does not serve (tools, response_format, logprobs, penalties, logit_bias, n > 1)",
     401: "Missing or wrong API key (only with --api-key)",
     413: "Too many chunks, a chunk too long, body too large, or prompt + max_tokens over the context window",
     422: "Schema violation: unknown field, wrong type, value out of range, malformed JSON, bad tenant, a policy "

@@ -83,7 +83,7 @@ def test_neutral_values_clients_send_by_default_pass(client):
     reply = ask(client, "Hello?", **neutral)
     assert reply.choices[0].message.content is not None
     streamed = list(ask(client, "Hello?", stream=True, stream_options={"include_usage": True},
-                        tool_choice="auto", parallel_tool_calls=True, **{**neutral, "tool_choice": "auto"}))
+                        parallel_tool_calls=True, **{**neutral, "tool_choice": "auto"}))
     assert streamed[-1].usage is not None and streamed[-1].usage.completion_tokens > 0
 
 

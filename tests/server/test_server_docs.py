@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine_sidecar.server import create_app
+from engine_sidecar.server.openai_compat import UNSUPPORTED
 from engine_sidecar.server.serve_args import add_serve_arguments
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
@@ -82,7 +83,7 @@ def test_every_metric_is_documented(app):
     with TestClient(app) as client:
         client.post("/v1/generate", json={"prompt": {"question": "Hi?"}, "sampling": {"max_tokens": 1}})
         names = {f.name for f in text_string_to_metric_families(client.get("/metrics").text)}
-    for name in (n for n in names if not n.endswith("_created")):  # client-library timestamps
+    for name in names:
         counter = f"{name}_total"
         assert f"`{name}`" in DOC or f"`{counter}`" in DOC, f"metric {name} not documented"
 
@@ -93,3 +94,39 @@ def test_every_serve_flag_is_documented():
     flags = [opt for action in parser._actions for opt in action.option_strings if opt.startswith("--")]
     missing = [f for f in flags if f not in DOC and f != "--help"]
     assert not missing, f"serve flags not in docs/api.md: {missing}"
+
+
+# a value asking for each OpenAI feature the endpoint refuses, as an app would send it
+ASKING = {"tools": [{"type": "function", "function": {"name": "f"}}], "functions": [{"name": "f"}],
+          "tool_choice": "required", "function_call": {"name": "f"}, "response_format": {"type": "json_object"},
+          "logprobs": True, "top_logprobs": 2, "frequency_penalty": 0.5, "presence_penalty": 0.5,
+          "logit_bias": {"42": 5}, "n": 2}
+REFUSAL_ROW = re.compile(r'^\| (.+?) \| .+? \| (\d{3}) \| "(.+?)" \|$', re.M)
+
+
+def _refusals() -> list[tuple[str, int, str]]:
+    start = DOC.index("**What the OpenAI endpoint does not do.**")
+    table = DOC[DOC.index("\n|", start): DOC.index("\n\n", DOC.index("|---", start))]
+    return [(asked, int(status), message) for asked, status, message in REFUSAL_ROW.findall(table)]
+
+
+def test_every_refusal_the_docs_list_is_what_the_server_answers(app):
+    rows = _refusals()
+    client = TestClient(app)  # no lifespan: refusals never reach the engine
+    for asked, status, message in rows:
+        routes = re.findall(r"`POST (/\S+)`", asked)
+        fields = [] if routes else re.findall(r"`(\w+)`", asked)
+        assert routes or fields, f"row names no field or route: {asked}"
+        for path in routes:
+            reply = client.post(path, json={"model": "m", "prompt": "x", "input": "x"})
+            assert reply.status_code == status and reply.json()["error"]["message"].startswith(message), reply.text
+        for field in fields:
+            reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi?"}],
+                                                              "max_tokens": 1, field: ASKING[field]})
+            error = reply.json()["error"]
+            assert (reply.status_code, error["param"]) == (status, field), reply.text
+            assert error["message"].startswith(message), f"{field}: {error['message']!r}"
+    documented = {f for asked, _, _ in rows if "`POST " not in asked for f in re.findall(r"`(\w+)`", asked)}
+    assert documented == {f for feature in UNSUPPORTED for f in feature.fields}, "a refused field is not in the table"
+    assert {path for asked, _, _ in rows for path in re.findall(r"`POST (/\S+)`", asked)} == {
+        "/v1/completions", "/v1/embeddings"}

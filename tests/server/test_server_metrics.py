@@ -43,3 +43,18 @@ def test_ttft_by_outcome_and_policy_end_to_end_and_inter_token(tiny_llama_dir, t
     assert m[(count, (("outcome", "none"), ("policy", "full")))] == 1  # full looks nothing up
     assert m[("ragcache_request_seconds_count", (("endpoint", "generate"),))] == 3
     assert m[("ragcache_inter_token_seconds_count", ())] == 3 and m[("ragcache_inter_token_seconds_sum", ())] > 0
+
+
+def test_metrics_carry_no_created_series_and_leave_other_registries_alone(tiny_engine):
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    with TestClient(create_app(tiny_engine)) as client:
+        body = {"prompt": {"chunks": PASSAGES, "question": "How high?"}, "sampling": {"max_tokens": 2}}
+        assert client.post("/v1/generate", json=body).status_code == 200
+        names = {name for name, _ in _samples(client)}
+    assert {"ragcache_requests_total", "ragcache_request_ttft_seconds_count"} <= names
+    assert not [n for n in names if n.endswith("_created")]
+    # filtered at exposition, not switched off process-wide: another registry keeps its timestamps
+    other = CollectorRegistry()
+    Counter("elsewhere", "a counter of another library", registry=other).inc()
+    assert b"elsewhere_created" in generate_latest(other)
