@@ -80,6 +80,11 @@ class ServerMetrics:
         if store is not None and store.redis is not None:
             for event in _REDIS_EVENTS:
                 self.redis_events.labels(event)
+        self.verify = Counter("ragcache_verify", "Requests checked against full prefill (--verify-fraction) by "
+                              "whether full prefill's first token agrees with the reused prefill's "
+                              "(agree | differ)", ["result"], registry=r)
+        for outcome in ("agree", "differ"):
+            self.verify.labels(outcome)
         self.queue_depth = Gauge("ragcache_queue_depth", "Requests queued or running on the engine", registry=r)
         self._hits = self._lookups = 0
 
@@ -102,6 +107,8 @@ class ServerMetrics:
         self.tokens.labels("reused").inc(s.tokens_reused)
         self.tokens.labels("recomputed").inc(s.tokens_recomputed)
         self.tokens.labels("computed").inc(s.tokens_computed_fresh)
+        if s.verified_first_token is not None:
+            self.verify.labels("agree" if s.verified_first_token else "differ").inc()
         self.generated.inc(len(result.token_ids))
         self.chunks.labels("hit").inc(s.chunk_hits)
         self.chunks.labels("miss").inc(s.chunk_misses)

@@ -72,3 +72,22 @@ def test_a_bad_fraction_is_one_line(bad, tiny_llama_dir):
                            "--verify-fraction", bad], capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and "--verify-fraction" in lines[-1] and "fraction from 0 to 1" in lines[-1]
+
+
+def test_the_server_counts_checks_in_metrics(tiny_llama_dir, tmp_path):
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine_sidecar.server import ServerSettings, create_app
+
+    with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
+                                prefix_tree=False, verify_fraction=1.0) as engine, \
+            TestClient(create_app(engine, ServerSettings())) as client:
+        body = {"prompt": {"chunks": PASSAGES, "question": "Why?"}, "sampling": {"max_tokens": 1},
+                "policy": "cacheblend:1.0"}
+        client.post("/v1/generate", json=body).raise_for_status()
+        again = client.post("/v1/generate", json={**body, "prompt": {**body["prompt"], "chunks": PASSAGES[::-1]}})
+        assert again.json()["stats"]["verified_first_token"] is True
+        samples = {(s.name, s.labels.get("result")): s.value
+                   for family in text_string_to_metric_families(client.get("/metrics").text) for s in family.samples}
+        assert samples[("ragcache_verify_total", "agree")] == 1 and samples[("ragcache_verify_total", "differ")] == 0
