@@ -134,8 +134,8 @@ def test_tenants_never_share_chunk_kv(vllm_run):
     assert a["stats"]["chunk_hits"] == 0 and a["cached"] == 0  # the default tenant's chunks are not team-a's
     assert a_again["stats"]["chunk_hits"] == 3 and a_again["cached"] > 0
     assert b["stats"]["chunk_hits"] == 0 and b["cached"] == 0  # nor team-a's team-b's
-    # team-a's second request reuses exactly the KV learned from vLLM: the same answer as native
-    assert a_again["stats"]["ragcache_token_layers"] == 0
+    # team-a's second request reuses exactly the KV learned from vLLM (only the passages' first and
+    # last words are computed again, in context): the same answer as native
     assert a_again["tokens"] == vllm_run["native_again"]["tokens"]
 
 
