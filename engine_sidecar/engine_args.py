@@ -13,14 +13,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine_sidecar.engine_config import FlagSetting, flags
+from engine_sidecar.engine_config import MAX_BUDGET_BYTES, FlagSetting, flags
+
+
+def _finite(value: float, text: str) -> float:
+    """`value` unless it is infinite (also what float() makes of a number past its range, 1e309):
+    no setting takes infinity, and a byte budget of it cannot even be converted to bytes."""
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
 
 
 def non_negative(text: str) -> float:
     value = float(text)
-    if not value >= 0:  # also refuses nan
+    if not value >= 0:  # also refuses nan and -inf
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _finite(value, text)
 
 
 def _int_within(text: str, low: int, high: int | None, refusal: str) -> int:
@@ -46,6 +54,19 @@ def positive_int(text: str) -> int:
     return _int_within(text, 1, None, "must be at least 1")
 
 
+def answer_tokens(text: str) -> int:
+    """A request's `max_tokens` on the command line: the API's range."""
+    return _int_within(text, 1, 4096, "must be from 1 to 4096")
+
+
+def sampling_temperature(text: str) -> float:
+    """A request's sampling `temperature` on the command line: the API's range, [0, 5]."""
+    value = non_negative(text)
+    if value > 5:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 5, got {text}")
+    return value
+
+
 def fused_temperature_arg(text: str) -> str | float:
     from engine_sidecar.execution.calibration import TemperatureSettingError, check_setting
 
@@ -57,9 +78,33 @@ def fused_temperature_arg(text: str) -> str | float:
 
 def above_zero(text: str) -> float:
     value = float(text)
-    if not value > 0:  # also refuses nan
+    if not value > 0:  # also refuses nan and -inf
         raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return value
+    return _finite(value, text)
+
+
+def _within_budget(parse: Callable[[str], float], unit: int) -> Callable[[str], float]:
+    """`parse` for a byte budget given in `unit`s (GiB, MiB), also refusing what exceeds
+    MAX_BUDGET_BYTES. Named as `parse` is, for argparse's message on text that is no number."""
+    most = MAX_BUDGET_BYTES // unit
+
+    def checked(text: str) -> float:
+        value = parse(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most} (1 PiB), got {text}")
+        return value
+
+    checked.__name__ = parse.__name__
+    return checked
+
+
+def _in_setting_units(value: float, unit: int, default: object) -> object:
+    """A flag's value in its setting's units. A positive budget too small for one whole unit
+    (`--disk-cache-gb 1e-300`) becomes 1, never 0: 0 means unlimited for some budgets."""
+    scaled = value * unit
+    if isinstance(default, int):
+        return max(1, int(scaled)) if scaled > 0 else 0
+    return type(default)(scaled)
 
 
 def fraction(text: str) -> float:
@@ -88,7 +133,8 @@ def add_flags(p: argparse.ArgumentParser, settings: list[FlagSetting]) -> None:
             else f" (default: {default})"
         options: dict[str, Any] = {"default": default, "help": flag.help + shown}
         if flag.parse in _PARSERS:
-            options["type"] = _PARSERS[flag.parse]
+            parse = _PARSERS[flag.parse]
+            options["type"] = _within_budget(parse, flag.unit) if flag.unit != 1 else parse
         if setting.choices:
             options["choices"] = list(setting.choices)
         p.add_argument(flag.name, *flag.aliases, **options)
@@ -103,7 +149,7 @@ def options_from(args: argparse.Namespace, settings: list[FlagSetting]) -> dict[
         if flag.negates:
             value = not value
         elif flag.unit != 1:
-            value = type(setting.field.default)(value * flag.unit)
+            value = _in_setting_units(value, flag.unit, setting.field.default)
         options[setting.flat] = value
     return options
 

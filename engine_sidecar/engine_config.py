@@ -26,6 +26,9 @@ FLAG = "flag"  # field metadata: the setting's command-line flag (a Flag), where
 # how a flag's text becomes the setting's value (engine_args maps each to an argparse type)
 Parse = Literal["text", "path", "non_negative", "above_zero", "whole", "positive", "temperature", "fraction"]
 GIB, MIB = 1 << 30, 1 << 20
+# the largest byte budget a flag takes (1 PiB): past it a value is a typo or 'inf', and a budget
+# meant as 'no limit' has its own spelling (0 where the flag's help says so)
+MAX_BUDGET_BYTES = 1 << 50
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ field is non-empty and every number is plain ASCII (`0.15`, `1e-1`, `16`), withi
 the policies that run the question probe, `probeL` (the probe stops after the first L layers); for
 every policy that fuses cached chunks, `tempT` (attention temperature T on the reused chunk KV, APE;
 `reuse:temp1.1` for the policy without an argument); for CacheBlend, `minN` (at least N fused tokens
-recomputed, however short the prompt); each at most once, in any order.
+recomputed, however short the prompt); each at most once, in any order. Tags follow the argument,
+or the name when the argument is left at its default (`cachecraft:temp20` = `cachecraft:1:temp20`):
+an argument is a number or `auto`, so a tag never reads as one.
 """
 
 from __future__ import annotations
@@ -165,8 +167,8 @@ def policy_help() -> str:
     """For `--policy` help and field descriptions: the grammar, then what each policy does."""
     lines = "; ".join(f"{p.name} = {p.summary}" for p in POLICIES)
     return (f"{forms_text()} (default {DEFAULT_POLICY}). {lines}. Every policy but full and prefix also takes "
-            f":{TEMP_TAG}T, an attention temperature T in [{TEMP_RANGE[0]:g}, {TEMP_RANGE[1]:g}] on the reused chunk KV "
-            f"(APE; e.g. cacheblend:0.15:temp1.1)")
+            f":{TEMP_TAG}T after its argument, an attention temperature T in [{TEMP_RANGE[0]:g}, {TEMP_RANGE[1]:g}] on "
+            f"the reused chunk KV (APE; e.g. cacheblend:0.15:temp1.1, reuse:temp1.1, cachecraft:temp20)")
 
 
 @dataclass(frozen=True)
@@ -219,11 +221,21 @@ def _parse(spec: str) -> PolicySpec:
             raise PolicySpecError(f"bad argument in policy '{spec}': {name} takes no argument (form: {entry.form})")
         tags = _tags(entry, parts, spec)
         return PolicySpec(name, temperature=tags.temperature)
+    if parts and _is_tag(entry, parts[0]):
+        parts = ["", *parts]  # tags right after the name: the argument left at its default
     arg = parts[0] if parts else ""
     tags = _tags(entry, parts[1:], spec)
     auto = entry.auto and arg == "auto"
-    value = entry.default if not parts or auto else _value(entry, arg, spec)
+    value = entry.default if not arg or auto else _value(entry, arg, spec)
     return PolicySpec(name, value, auto, tags.option, tags.probe_layers, tags.temperature, tags.min_tokens or 0)
+
+
+def _is_tag(entry: PolicyEntry, field: str) -> bool:
+    """Whether `field` is one of the tags this policy takes (an argument is a number or `auto`, so
+    the two never look alike)."""
+    return bool(field) and (field == entry.option or (entry.probe and field.startswith(PROBE_TAG))
+                            or (entry.floor and field.startswith(MIN_TAG))
+                            or (entry.tempers and field.startswith(TEMP_TAG)))
 
 
 @dataclass

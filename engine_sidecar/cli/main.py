@@ -19,7 +19,12 @@ from engine_sidecar.bench.policy_specs import (
     default_fidelity_policies,
     fidelity_policy_list_arg,
 )
-from engine_sidecar.engine_args import add_engine_arguments, engine_from_args
+from engine_sidecar.engine_args import (
+    add_engine_arguments,
+    answer_tokens,
+    engine_from_args,
+    sampling_temperature,
+)
 from engine_sidecar.errors import InvalidPromptError, RagCacheError
 from engine_sidecar.model.registry import REGISTRY as REGISTRY_NAMES
 from ragcache_integrations.policy_registry import DEFAULT_POLICY, policy_arg, policy_help
@@ -313,13 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="answer one question over chunks through the engine",
                          description="Answer a question over chunks (files or inline text), streaming the answer; "
                                      "prints what reuse saved.")
-    gen.add_argument("question")
+    gen.add_argument("question", help="the question to answer over the chunks (quote it)")
     gen.add_argument("--chunk", action="append", default=[], help="chunk text (repeatable)")
     gen.add_argument("--chunk-file", action="append", default=[], help="file whose text is one chunk (repeatable)")
     gen.add_argument("--system", default=None, help="system prompt")
     gen.add_argument("--policy", default=DEFAULT_POLICY, type=policy_arg, help=POLICY_HELP)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=answer_tokens, default=64,
+                     help="the most answer tokens generated, 1 to 4096 (default 64)")
+    gen.add_argument("--temperature", type=sampling_temperature, default=0.0,
+                     help="sampling temperature, 0 to 5: 0 is greedy, the same answer every run (default 0)")
     gen.add_argument("--explain", action="store_true", help="print the fusion plan and all stats")
     add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
@@ -348,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the sidecar HTTP service (native + OpenAI-compatible API)",
                            description="Serve the engine over HTTP: /v1/generate, /v1/chat/completions, "
-                                       "/v1/chunks/warm, /v1/cache/stats, DELETE /v1/cache, /health, /metrics.")
+                                       "/v1/models, /v1/chunks/warm, /v1/cache/stats, DELETE /v1/cache, /health, "
+                                       "/metrics (docs/api.md).")
     from engine_sidecar.cluster.launch import add_cluster_arguments  # argparse only: no Ray import
     from engine_sidecar.server.serve_args import add_serve_arguments  # argparse only: no fastapi import
 

@@ -8,10 +8,12 @@ take the same lock between steps.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -106,6 +108,9 @@ class Engine:
         self.scheduler = Scheduler(runner, self._lock, self.steps, config.batching.max_batch,
                                    max(1, config.batching.kv_bytes // kv_row_bytes),
                                    decode_graphs(runner, config.batching, self.max_context))
+        self._close_at_exit = _closer(weakref.ref(self))
+        atexit.register(self._close_at_exit)
+        weakref.finalize(self, atexit.unregister, self._close_at_exit)  # collected unclosed: nothing to do at exit
 
     @classmethod
     def from_pretrained(cls, model: str | Path = "default", device: str = "auto", dtype: str = "auto",
@@ -241,12 +246,28 @@ class Engine:
             return self.store.delete(chunk_id, tenant)
 
     def close(self) -> None:
+        """Stop the scheduler and the precompute worker (requests still waiting fail), finish the
+        store's queued writes and end its writer threads. Also run at interpreter exit for an
+        engine left open: a daemon thread still inside torch when the interpreter tears down
+        aborts the process, and the writes it had queued would be cut."""
+        atexit.unregister(self._close_at_exit)
         self.scheduler.close()
         self.precompute.close()
-        self.store.flush()
+        self.store.close()
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _closer(engine: weakref.ReferenceType[Engine]) -> Callable[[], None]:
+    """What atexit runs for one engine: close it if it is still open. It holds the engine weakly,
+    so registering it keeps no engine alive."""
+    def close_if_alive() -> None:
+        alive = engine()
+        if alive is not None:
+            alive.close()
+
+    return close_if_alive

@@ -285,6 +285,14 @@ class ChunkStore:
         if self.redis is not None:
             self.redis.flush()
 
+    def close(self) -> None:
+        """Finish the queued writes and end the tiers' writer threads (a later put starts them
+        again); the disk tier lets go of its folder."""
+        if self.disk is not None:
+            self.disk.close()
+        if self.redis is not None:
+            self.redis.close()
+
     def stats(self) -> StoreStats:
         """Counters only (the disk tier's in-memory index): never a folder walk nor a Redis call."""
         disk = self.disk

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ import torch
 from safetensors.torch import load_file, save
 
 from engine_sidecar.store.entry import ChunkKV, finite_kv
+from engine_sidecar.store.folder_claim import OWNER_FILE as OWNER_FILE
+from engine_sidecar.store.folder_claim import claim
+from engine_sidecar.store.folder_claim import folder_owner as folder_owner
 from engine_sidecar.store.write_queue import WriteQueue
 
 log = logging.getLogger("ragcache.store")
@@ -232,7 +236,8 @@ class DiskTier:
         self._index: OrderedDict[str, _Indexed] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._scan()
-        _claim(self.directory)
+        # held while the tier is open (`close`, or its collection), so `cache clear` refuses meanwhile
+        self._release_folder = weakref.finalize(self, claim(self.directory))
         # a write removed while under way has its file deleted once written (`on_cancelled`)
         self._writes: WriteQueue[ChunkKV] = WriteQueue("ragcache-disk-writer", self._write_queued,
                                                        max_pending_bytes, on_cancelled=self._delete_file)
@@ -371,6 +376,15 @@ class DiskTier:
         """Wait for the writes queued so far; False if they did not finish within the bound (or
         the writer is gone): never blocks forever."""
         return self._writes.flush(self.flush_timeout_s if timeout_s is None else timeout_s)
+
+    def close(self) -> bool:
+        """Finish the writes queued so far (within the flush bound), end the writer thread and let
+        go of the folder; False if a write did not finish (then the folder stays held until this
+        process ends, as the write may still land). A later `put` starts the writer again."""
+        if not self._writes.close(self.flush_timeout_s):
+            return False
+        self._release_folder()
+        return True
 
     def _write_queued(self, digest: str, entry: ChunkKV) -> None:
         """The writer thread's step: `_write` is looked up per call (tests replace it on the
@@ -519,25 +533,6 @@ class DiskTier:
         self.flush()
         for digest in self.digests():
             self.remove(digest)
-
-
-OWNER_FILE = ".owner"  # the pid of the process serving from the folder (one process per folder)
-
-
-def _claim(directory: Path) -> None:
-    try:
-        (directory / OWNER_FILE).write_text(str(os.getpid()))
-    except OSError:  # a read-only folder is still served; only `cache clear`'s check loses it
-        pass
-
-
-def folder_owner(directory: Path) -> int | None:
-    """The pid of another live process serving from this folder (a sidecar), if any."""
-    try:
-        pid = int((Path(directory) / OWNER_FILE).read_text().strip() or 0)
-    except (OSError, ValueError):
-        return None
-    return pid if _pid_alive(pid) else None
 
 
 def _tmp_pid(name: str) -> int:

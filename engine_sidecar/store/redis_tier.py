@@ -367,6 +367,10 @@ class RedisTier:
         """Wait for the writes queued so far; False if they did not finish within the bound."""
         return self._writes.flush(self.flush_timeout_s if timeout_s is None else timeout_s)
 
+    def close(self) -> bool:
+        """Finish the writes queued so far (within the flush bound) and end the writer thread."""
+        return self._writes.close(self.flush_timeout_s)
+
     # --- deletes ---------------------------------------------------------------------------------
     def remove_many(self, digests: Iterable[str]) -> set[str]:
         """Delete these entries (and their queued writes); the digests Redis held."""

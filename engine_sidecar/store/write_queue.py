@@ -13,7 +13,9 @@ Semantics (those the tiers had):
   one entry larger than the bound is still written;
 - `flush` waits for every item queued so far, including the one being run, up to a bound;
 - `discard` takes back queued items of some keys and marks the one being run as cancelled: the
-  tier's `on_cancelled` runs once it is done (for the disk tier: delete the file it just wrote).
+  tier's `on_cancelled` runs once it is done (for the disk tier: delete the file it just wrote);
+- `close` finishes what is queued and ends the thread: at interpreter exit a daemon thread is
+  stopped wherever it is, and one stopped inside torch aborts the whole process.
 """
 
 from __future__ import annotations
@@ -61,9 +63,24 @@ class WriteQueue(Generic[T]):
             self._pending_bytes += size
             self._in_flight += 1
             self._cond.notify_all()
-            if self._thread is None or not self._thread.is_alive():  # first use; a dead writer never expected
+            if self._thread is None or not self._thread.is_alive():  # first use, after `close`; a dead writer never expected
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
+        return True
+
+    def close(self, timeout_s: float) -> bool:
+        """Finish the items queued so far (within `timeout_s`, as `flush`) and end the writer thread;
+        a later `put` starts a new one. False, with the thread left running, when a write did not
+        finish: a thread stuck in a write cannot be stopped, only left behind."""
+        if not self.flush(timeout_s):
+            return False
+        with self._cond:
+            if self._in_flight:  # put meanwhile: the thread has work again
+                return False
+            thread, self._thread = self._thread, None
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join(timeout_s)
         return True
 
     def flush(self, timeout_s: float) -> bool:
@@ -104,10 +121,13 @@ class WriteQueue(Generic[T]):
             self._cond.notify_all()
 
     def _loop(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._cond:
-                while not self._pending:
+                while not self._pending and self._thread is me:
                     self._cond.wait()
+                if self._thread is not me:  # closed (then idle), or a later put's new thread has the queue
+                    return
                 key, item, size = self._pending.popleft()
                 self._pending_bytes -= size
                 self._running, self._cancelled = key, False

@@ -21,6 +21,9 @@ PASSAGE = "Mount Fuji is 3,776 m high. The Nile flows north."
     (["serve", "--remember-passages", "-1"], "--remember-passages: must be >= 0"),
     (["generate", "--question", "q", "--policy", "cacheblend:"], "a ':' must be followed by a value"),
     (["generate", "--question", "q", "--policy", "bogus"], "unknown policy 'bogus'"),
+    (["generate", "q", "--max-tokens", "0"], "--max-tokens: must be from 1 to 4096"),
+    (["generate", "q", "--temperature", "9"], "--temperature: must be from 0 to 5"),
+    (["generate", "q", "--temperature", "nan"], "--temperature: must be >= 0"),
 ])
 def test_a_bad_flag_is_one_line_naming_it(tmp_path, argv, needle):
     proc = run_cli(*argv, home=tmp_path)
@@ -56,3 +59,29 @@ def test_cache_clear_refuses_while_a_sidecar_serves_the_folder(tiny_llama_dir, t
     assert not list(kv.rglob("*.kv.safetensors"))
     again = run_cli("cache", "clear", "--cache-dir", str(tmp_path / "nothing-here"), home=tmp_path)
     assert again.returncode == 0 and "removed 0" in again.stdout
+
+
+def test_generate_help_explains_every_argument(tmp_path):
+    import re
+
+    proc = run_cli("generate", "--help", home=tmp_path)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    for name in ("question", "--max-tokens MAX_TOKENS", "--temperature TEMPERATURE", "--chunk CHUNK"):
+        assert re.search(re.escape(name) + r" [A-Za-z]", text.split("options:")[-1] if name != "question"
+                         else text.split("positional arguments:")[-1]), name
+
+
+def test_serve_help_names_every_route_the_server_has(tmp_path):
+    import re
+    from pathlib import Path
+
+    import engine_sidecar.server
+
+    proc = run_cli("serve", "--help", home=tmp_path)
+    assert proc.returncode == 0
+    described = " ".join(proc.stdout.split())
+    sources = "".join(p.read_text(encoding="utf-8") for p in Path(engine_sidecar.server.__file__).parent.glob("*.py"))
+    routes = set(re.findall(r'@router\.[a-z_]+\("(/[a-z0-9/_]+)"(?![^)]*include_in_schema=False)', sources))
+    assert {"/v1/generate", "/v1/models", "/health"} <= routes
+    assert [route for route in sorted(routes) if route not in described] == []
