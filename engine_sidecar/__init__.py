@@ -20,9 +20,10 @@ def __getattr__(name: str):
         raise AttributeError(name)
     try:
         import torch  # noqa: F401
-    except ImportError as exc:  # the adapters install without it; the engine does not run without it
+    except ImportError:  # the adapters install without it; the engine does not run without it
+        # from None: the error is this message, not torch's import machinery chained above it
         raise ImportError("the ragcache engine needs its `engine` extra: install torch==2.13.0 first (a CPU "
-                          "build, or the CUDA build you want), then `pip install 'ragcache[engine]'`") from exc
+                          "build, or the CUDA build you want), then `pip install 'ragcache[engine]'`") from None
     import importlib
 
     return getattr(importlib.import_module(module), name)

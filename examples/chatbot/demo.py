@@ -1,9 +1,12 @@
 """`make demo`: the sample chatbot end to end on embedded defaults. Starts a sidecar, ingests the
-corpus into Qdrant if needed, asks a scripted series of related questions in one conversation,
-prints answers, sources and what reuse saved, and stops everything it started.
+corpus into Qdrant if needed, and replays a short day of two users: several different questions in
+separate chats, whose retrieved passages come back in new orders, plus a follow-up in a chat.
+Prints each answer beside full prefill's, its sources, the chunk hits and the TTFT against full
+prefill, then a table; stops everything it started.
 
-Every turn is also answered with policy `full` (no reuse; the same questions, retrieval and
-conversation) on the same sidecar right before, so the speed-up is measured side by side.
+Every turn is also answered with policy `full` (no reuse; the same question, retrieval and
+conversation) on the same sidecar right before, so the speed-up and the answers are compared side
+by side. Full prefill caches nothing, so the turn after it starts from what earlier turns cached.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,54 +29,133 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 BUNDLED_QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "demo.json"
 
 
-async def ask_all(reuse: Any, full: Any, questions: list[str], out: Any) -> list[tuple[dict, dict]]:
-    rows = []
-    for n, question in enumerate(questions, 1):
-        baseline: dict[str, Any] = {}
-        async for event in full.turn("demo-full", question):
-            if event["type"] == "stats":
-                baseline = event
-        print(f"\n[Q{n}] {question}\n[A{n}] ", end="", file=out, flush=True)
-        stats: dict[str, Any] = {}
-        async for event in reuse.turn("demo", question):
-            if event["type"] == "delta":
+@dataclass(frozen=True)
+class Turn:
+    """One question of the script: who asks it, in which of their chats."""
+
+    user: str
+    chat: int
+    question: str
+
+    @property
+    def conversation_id(self) -> str:
+        return f"demo-{self.user}-{self.chat}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.user}, chat {self.chat}"
+
+
+@dataclass
+class Answered:
+    """One turn's outcome under the chosen policy and under full prefill."""
+
+    turn: Turn
+    stats: dict[str, Any]
+    full: dict[str, Any]
+    answer: str
+    full_answer: str
+
+    @property
+    def agreement(self) -> str:
+        return answer_agreement(self.answer, self.full_answer)
+
+
+def answer_agreement(answer: str, full_answer: str) -> str:
+    """'same' when the two answers are the same words; else how many leading words they share."""
+    ours, theirs = answer.split(), full_answer.split()
+    if ours == theirs:
+        return "same"
+    shared = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
+    return f"first {shared} of {max(len(ours), len(theirs))} words"
+
+
+async def run_turn(service: Any, conversation_id: str, question: str, out: Any = None) -> tuple[str, list, dict]:
+    """One turn through the chat service: (answer, sources, stats); the answer streams to `out`."""
+    text: list[str] = []
+    sources: list = []
+    stats: dict[str, Any] = {}
+    async for event in service.turn(conversation_id, question):
+        if event["type"] == "delta":
+            text.append(event["text"])
+            if out is not None:
                 print(event["text"], end="", file=out, flush=True)
-            elif event["type"] == "sources":
-                sources = event["sources"]
-            elif event["type"] == "stats":
-                stats = event
-        print(file=out)
+        elif event["type"] == "sources":
+            sources = event["sources"]
+        elif event["type"] == "stats":
+            stats = event
+    return "".join(text).strip(), sources, stats
+
+
+def hits_text(stats: dict[str, Any]) -> str:
+    text = f"{stats['chunk_hits']}/{stats['chunks']}"
+    if stats["chunks_deduplicated"]:
+        text += f" (+{stats['chunks_deduplicated']} already in the chat)"
+    return text
+
+
+async def ask_all(reuse: Any, full: Any, turns: list[Turn], out: Any) -> list[Answered]:
+    rows: list[Answered] = []
+    for n, turn in enumerate(turns, 1):
+        full_answer, _, baseline = await run_turn(full, turn.conversation_id + "-full", turn.question)
+        print(f"\n[Q{n}] ({turn.label}) {turn.question}\n[A{n}] ", end="", file=out, flush=True)
+        answer, sources, stats = await run_turn(reuse, turn.conversation_id, turn.question, out)
+        row = Answered(turn, stats, baseline, answer, full_answer)
+        print(f"\n  full prefill's answer: {full_answer}  [{row.agreement}]", file=out)
         for s in sources:
-            print(f"  source {s['id']}: {s['text'][:90].replace(chr(10), ' ')}...", file=out)
-        print(f"  TTFT {stats['ttft_s']:.2f}s (full prefill {baseline['ttft_s']:.2f}s) | tokens reused "
-              f"{stats['tokens_reused']}, recomputed {stats['tokens_recomputed']}, computed {stats['tokens_computed']}"
-              f" | chunk hits {stats['chunk_hits']}/{stats['chunks']}"
-              + (f" (+{stats['chunks_deduplicated']} already in the conversation)" if stats["chunks_deduplicated"]
-                 else ""), file=out, flush=True)
-        rows.append((stats, baseline))
+            print(f"  source {s['id']}: {s['text'][:80].replace(chr(10), ' ')}...", file=out)
+        print(f"  TTFT {stats['ttft_s']:.2f}s (full prefill {baseline['ttft_s']:.2f}s) | chunk hits {hits_text(stats)}"
+              f" | tokens reused {stats['tokens_reused']} (fused {stats['tokens_fused']}), recomputed "
+              f"{stats['tokens_recomputed']}, computed {stats['tokens_computed']} | {story(rows, row)}",
+              file=out, flush=True)
+        rows.append(row)
     return rows
 
 
-def summary_table(rows: list[tuple[dict, dict]], policy: str) -> Any:
+def story(earlier: list[Answered], row: Answered) -> str:
+    """What this turn shows, in words: from the numbers, never from the script."""
+    stats = row.stats
+    others = {r.turn.conversation_id for r in earlier} - {row.turn.conversation_id}
+    if stats["chunks_deduplicated"] and not stats["chunks"]:
+        return "a follow-up: the chat's own KV continued (an exact prefix)"
+    if stats["chunk_hits"] and stats["tokens_fused"] and others:
+        return "passages cached by other chats, fused at new positions"
+    if stats["chunk_hits"]:
+        return "passages cached before, reused"
+    return "new passages: computed and cached"
+
+
+def fused_elsewhere(rows: list[Answered]) -> list[Answered]:
+    """Turns that fused passages another chat had cached: the chunk fusion a prefix cache cannot do."""
+    return [r for r in rows if r.stats["chunk_hits"] and r.stats["tokens_fused"]
+            and any(e.turn.conversation_id != r.turn.conversation_id for e in rows[:rows.index(r)])]
+
+
+def summary_table(rows: list[Answered], policy: str) -> Any:
     from rich.table import Table
 
     table = Table(title=f"what reuse saved ({policy} vs full prefill, same sidecar, same run)",
-                  caption="tokens: prompt tokens; recomp: reused but recomputed; fresh: computed without cache; "
-                          "full: full prefill TTFT")
-    for col in ("turn", "tokens", "reused", "recomp", "fresh", "hits", "TTFT", "full", "speed-up"):
-        table.add_column(col, justify="right", no_wrap=True)
-    for stats, full in rows:
-        table.add_row(str(stats["turn"]), str(stats["prefill_tokens"]), str(stats["tokens_reused"]),
-                      str(stats["tokens_recomputed"]), str(stats["tokens_computed"]),
-                      f"{stats['chunk_hits']}/{stats['chunks']}", f"{stats['ttft_s']:.2f}s", f"{full['ttft_s']:.2f}s",
-                      f"{full['ttft_s'] / max(stats['ttft_s'], 1e-9):.1f}x")
+                  caption="hits: retrieved passages found cached; fused: reused tokens of passages placed at new "
+                          "positions; recomp: reused but recomputed; fresh: computed without cache; full: full "
+                          "prefill TTFT; answer: the words it shares with full prefill's")
+    for col in ("#", "who", "tokens", "hits", "reused", "fused", "recomp", "fresh", "TTFT", "full", "speed-up",
+                "answer"):
+        table.add_column(col, justify="left" if col in ("who", "answer") else "right", no_wrap=True)
+    for n, row in enumerate(rows, 1):
+        stats, full = row.stats, row.full
+        table.add_row(str(n), row.turn.label, str(stats["prefill_tokens"]),
+                      f"{stats['chunk_hits']}/{stats['chunks']}", str(stats["tokens_reused"]),
+                      str(stats["tokens_fused"]), str(stats["tokens_recomputed"]), str(stats["tokens_computed"]),
+                      f"{stats['ttft_s']:.2f}s", f"{full['ttft_s']:.2f}s",
+                      f"{full['ttft_s'] / max(stats['ttft_s'], 1e-9):.1f}x", row.agreement)
     return table
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.chatbot.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--questions", type=Path, default=BUNDLED_QUESTIONS,
-                   help="JSON file with a 'questions' list asked in order (default: the bundled related questions)")
+                   help="JSON file with 'turns' ({user, chat, question} objects, asked in order) or a 'questions' "
+                        "list (one user, one chat) (default: the bundled two-user script)")
     p.add_argument("--qdrant-path", type=Path, default=None, help="Qdrant local-mode folder "
                    "(default: $RAGCACHE_HOME/qdrant; ingested on first use)")
     p.add_argument("--qdrant-url", default=None, help="a Qdrant server instead of local mode")
@@ -83,15 +166,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_questions(path: Path) -> list[str]:
+def load_turns(path: Path) -> list[Turn]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise SystemExit(f"demo: error: cannot read {path}: {exc}") from None
-    questions = data.get("questions") if isinstance(data, dict) else None
+    data = data if isinstance(data, dict) else {}
+    if "turns" in data:
+        turns = data["turns"]
+        if not (isinstance(turns, list) and turns and all(_is_turn(t) for t in turns)):
+            raise SystemExit(f"demo: error: {path}: 'turns' needs a non-empty list of objects with 'user' (letters, "
+                             "digits, '_' or '-'), 'chat' (a whole number) and 'question' (text)")
+        return [Turn(t["user"], int(t["chat"]), t["question"]) for t in turns]
+    questions = data.get("questions")
     if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
-        raise SystemExit(f"demo: error: {path} needs a non-empty 'questions' list of strings")
-    return questions
+        raise SystemExit(f"demo: error: {path} needs 'turns' or a non-empty 'questions' list of strings")
+    return [Turn("you", 1, q) for q in questions]
+
+
+def _is_turn(turn: object) -> bool:
+    return (isinstance(turn, dict) and isinstance(turn.get("user"), str)
+            and turn["user"].replace("_", "").replace("-", "").isalnum() and len(turn["user"]) <= 24
+            and isinstance(turn.get("chat"), int) and not isinstance(turn["chat"], bool) and 0 <= turn["chat"] < 10**6
+            and isinstance(turn.get("question"), str) and bool(turn["question"].strip()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.k < 1 or args.max_tokens < 1:
         raise SystemExit("demo: error: --k and --max-tokens must be at least 1")
-    questions = load_questions(args.questions)
+    turns = load_turns(args.questions)
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="ragcache-demo-"))
     client = open_qdrant(args.qdrant_path, args.qdrant_url)
@@ -112,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = embedder()
         points = ensure_ingested(client, model)
-        console.print(f"[bold]ragcache demo[/bold]: {len(questions)} related questions, one conversation, "
-                      f"top-{args.k} of {points} passages in Qdrant")
+        users = sorted({t.user for t in turns})
+        chats = len({t.conversation_id for t in turns})
+        console.print(f"[bold]ragcache demo[/bold]: {len(turns)} questions from {len(users)} user(s) "
+                      f"({', '.join(users)}) in {chats} chat(s), top-{args.k} of {points} passages in Qdrant")
         # a fresh chunk cache, so the first turn shows the misses a new deployment pays
         sidecar = SidecarProcess(work / "sidecar.log", "--model", args.model, "--cache-dir", str(work / "kv"))
         console.print(f"starting the sidecar (log: {sidecar.log_path}) ...")
@@ -126,11 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         reuse = ChatService(client, model, backend, ChatSettings(k=args.k, policy=args.policy,
                                                                  max_tokens=args.max_tokens))
         full = ChatService(client, model, backend, ChatSettings(k=args.k, policy="full", max_tokens=args.max_tokens))
-        rows = asyncio.run(ask_all(reuse, full, questions, sys.stdout))
+        rows = asyncio.run(ask_all(reuse, full, turns, sys.stdout))
         console.print()
         console.print(summary_table(rows, args.policy))
-        console.print("Turn 1 computes the retrieved passages' KV (misses) and stores it; later turns continue "
-                      "from the conversation's KV and fuse cached passages.")
+        fused = fused_elsewhere(rows)
+        same = sum(r.agreement == "same" for r in rows)
+        console.print(f"Chunk fusion: {len(fused)} of {len(rows)} questions reused passages that another chat had "
+                      f"cached, at new positions ({', '.join(f'Q{rows.index(r) + 1}' for r in fused) or 'none'}); "
+                      "a prefix cache reuses only an exact prefix. "
+                      f"Answers: {same} of {len(rows)} the same words as full prefill's.")
     except ValueError as exc:
         raise SystemExit(f"demo: error: {exc}") from None
     finally:

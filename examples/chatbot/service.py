@@ -42,12 +42,33 @@ class ChatSettings:
 
 @dataclass(frozen=True)
 class FullPrefillCost:
-    """Per-token cost of a full prefill, measured once on this engine (policy `full`)."""
+    """What a full prefill of n tokens costs on this engine: a·n + b·n² milliseconds, fitted to
+    full prefills (policy `full`) of a short and a long calibration prompt. Attention makes long
+    prompts cost more than linear, so a per-token rate from one short prompt reads low for the
+    ~2K-token prompts of a RAG turn."""
 
-    ms_per_token: float
-    tokens: int
-    ttft_s: float
+    ms_per_token: float  # a: the linear part (weights, MLP)
+    ms_per_token_squared: float  # b: the part growing with the length (attention), >= 0
+    tokens: tuple[int, int]  # the calibration prompts' lengths
+    ttft_s: tuple[float, float]  # their measured TTFTs
     measured_at: float  # Unix seconds: the estimate is as fresh as this
+
+    @classmethod
+    def fit(cls, short: tuple[int, float], long: tuple[int, float], measured_at: float) -> FullPrefillCost:
+        """The curve through two (tokens, seconds) measurements; where noise makes one coefficient
+        negative, the other alone through the longer measurement (never an estimate below zero)."""
+        (n1, t1), (n2, t2) = sorted([short, long])
+        r1, r2 = 1000.0 * t1 / max(n1, 1), 1000.0 * t2 / max(n2, 1)
+        b = (r2 - r1) / (n2 - n1) if n2 > n1 else 0.0
+        a = r1 - b * n1
+        if b < 0:
+            a, b = r2, 0.0
+        elif a < 0:
+            a, b = 0.0, r2 / max(n2, 1)
+        return cls(a, b, (n1, n2), (t1, t2), measured_at)
+
+    def estimate_s(self, tokens: int) -> float:
+        return (self.ms_per_token * tokens + self.ms_per_token_squared * tokens * tokens) / 1000.0
 
 
 class ChatService:
@@ -91,20 +112,21 @@ class ChatService:
         return runnable
 
     def measure_full_prefill(self) -> FullPrefillCost:
-        """Time one full prefill (best of two) to estimate what full prefill of a turn would cost."""
+        """Time full prefills of a short and a long calibration prompt (best of two for the short
+        one, whose first run also warms the engine up) and fit the cost curve through them."""
         from ragcache_integrations.langchain import ChunkCachedRunnable
 
         probe = ChunkCachedRunnable(**self.backend, policy="full", max_tokens=1, tenant="chatbot-calibration")
-        best: FullPrefillCost | None = None
-        for _ in range(2):
-            probe.invoke({"input": "What does the passage describe?", "context": [_CALIBRATION_TEXT]})
+
+        def timed(paragraphs: list[str]) -> tuple[int, float]:
+            probe.invoke({"input": "What does the passage describe?", "context": paragraphs})
             stats = probe.last_stats
-            tokens = max(int(stats["prefill_tokens_total"]), 1)
-            cost = FullPrefillCost(1000.0 * stats["ttft_s"] / tokens, tokens, stats["ttft_s"], time.time())
-            best = cost if best is None or cost.ms_per_token < best.ms_per_token else best
-        assert best is not None
-        self.full_prefill = best
-        return best
+            return max(int(stats["prefill_tokens_total"]), 1), float(stats["ttft_s"])
+
+        short = min((timed([_CALIBRATION_TEXT]) for _ in range(2)), key=lambda m: m[1] / m[0])
+        long = timed([_CALIBRATION_TEXT.replace("Calibration", f"Calibration {part}") for part in "ABCD"])
+        self.full_prefill = FullPrefillCost.fit(short, long, time.time())
+        return self.full_prefill
 
     def retrieve(self, question: str) -> list[Any]:
         with self._retrieve_lock:
@@ -143,6 +165,8 @@ class ChatService:
             "turn": turn, "ttft_s": stats.get("ttft_s", 0.0), "retrieval_s": retrieval_s,
             "prefill_tokens": tokens, "tokens_reused": stats.get("tokens_reused", 0),
             "tokens_recomputed": stats.get("tokens_recomputed", 0),
+            # reused tokens of passages placed at new positions (fusion), not continued from a prefix
+            "tokens_fused": stats.get("tokens_fused", 0),
             "tokens_computed": stats.get("tokens_computed_fresh", 0),
             "chunk_hits": stats.get("chunk_hits", 0),
             "chunks": stats.get("chunk_hits", 0) + stats.get("chunk_misses", 0),
@@ -151,12 +175,15 @@ class ChatService:
             # "length": the answer was cut at --max-tokens (the page marks it)
             "finish_reason": stats.get("finish_reason", ""),
         }
-        if self.full_prefill is not None:
-            numbers["full_prefill_s"] = tokens * self.full_prefill.ms_per_token / 1000.0
+        cost = self.full_prefill
+        if cost is not None:
+            numbers["full_prefill_s"] = cost.estimate_s(tokens)
             numbers["full_prefill_basis"] = "estimated"
-            age_s = time.time() - self.full_prefill.measured_at
-            numbers["full_prefill_note"] = (f"{tokens} tokens x {self.full_prefill.ms_per_token:.2f} ms/token "
-                                            f"(a full prefill measured {age_s / 60:.0f} min ago, at start-up)")
+            age_s = time.time() - cost.measured_at
+            numbers["full_prefill_note"] = (f"{tokens} tokens on the cost curve fitted to full prefills of "
+                                            f"{cost.tokens[0]} and {cost.tokens[1]} tokens "
+                                            f"({cost.ttft_s[0]:.2f}s, {cost.ttft_s[1]:.2f}s), measured "
+                                            f"{age_s / 60:.0f} min ago, at start-up")
         return numbers
 
     def describe(self) -> dict[str, Any]:

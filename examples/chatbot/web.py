@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # the first request to the engine: an unreachable sidecar shows here
             raise SystemExit(f"chatbot: error: the engine did not answer ({type(exc).__name__}: {exc}); "
                              "check --base-url and that `ragcache serve` is running") from None
-        print(f"full prefill measured: {cost.ms_per_token:.2f} ms/token ({cost.tokens} tokens)", flush=True)
+        print(f"full prefill measured: {cost.tokens[0]} tokens in {cost.ttft_s[0]:.2f}s, {cost.tokens[1]} in "
+              f"{cost.ttft_s[1]:.2f}s (the page's full-prefill bars follow the curve through both)", flush=True)
         host, port = sock.getsockname()[:2]
         print(f"ragcache chatbot on http://{host}:{port}/  (sidecar: {backend.get('base_url', 'in-process')}; "
               "Ctrl-C stops)", flush=True)

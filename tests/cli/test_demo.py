@@ -26,7 +26,9 @@ def test_demo_prints_answers_and_reuse(smol_dir, tmp_path):
 
 
 def test_chatbot_demo_end_to_end_stops_its_sidecar(smol_dir, tmp_path):
-    """`make demo`: real sidecar process, real Qdrant local mode and MiniLM, three related turns."""
+    """`make demo`: real sidecar process, real Qdrant local mode and MiniLM; two users, four chats.
+    Chats after the first fuse passages another chat cached, each answer is shown beside full
+    prefill's, and the sidecar is gone at the end."""
     import re
 
     import httpx
@@ -42,12 +44,30 @@ def test_chatbot_demo_end_to_end_stops_its_sidecar(smol_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert all(f"[A{n}]" in out for n in (1, 2, 3))
-    assert out.count("  source demo-") >= 3
-    reused = [int(m) for m in re.findall(r"tokens reused (\d+)", out)]
-    assert len(reused) == 3 and reused[1] > 0 and reused[2] > 0
-    assert "speed-up" in out and "sidecar stopped" in out
+    asked = re.findall(r"^\[Q(\d)\] \((\w+), chat (\d)\) ", out, re.M)
+    assert [n for n, _, _ in asked] == ["1", "2", "3", "4", "5"] and {u for _, u, _ in asked} == {"ana", "ben"}
+    assert out.count("full prefill's answer: ") == 5 and out.count("  source demo-") >= 5
+    turns = re.findall(r"chunk hits (\d+)/(\d+).*? \| tokens reused (\d+) \(fused (\d+)\)", out)
+    assert len(turns) == 5
+    chats = [f"{user}-{chat}" for _, user, chat in asked]
+    assert int(turns[0][0]) == 0  # a fresh cache: the first question computes its passages
+    # chunk fusion across chats: passages the first chat cached, reused at new positions in another
+    fused_elsewhere = [n for n, (hits, _, _, fused) in enumerate(turns)
+                       if int(hits) > 0 and int(fused) > 0 and chats[n] not in chats[:n]]
+    assert len(fused_elsewhere) >= 2, out
+    assert int(turns[2][2]) > 0 and chats[2] in chats[:2]  # the follow-up continues its chat's KV
+    assert re.search(r"Chunk fusion: [2-5] of 5 questions", out) and "speed-up" in out and "sidecar stopped" in out
     sidecar = re.search(r"ragcache serving on (http://\S+)", out)
     assert sidecar is not None
     with pytest.raises(httpx.TransportError):
         httpx.get(sidecar.group(1) + "/health", timeout=5)
+
+
+def test_the_demo_script_is_checked_before_anything_starts(tmp_path):
+    bad = tmp_path / "turns.json"
+    bad.write_text('{"turns": [{"user": "ana", "chat": "one", "question": "Why?"}]}')
+    proc = subprocess.run([sys.executable, "-m", "examples.chatbot.demo", "--questions", str(bad),
+                           "--qdrant-path", str(tmp_path / "q")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and "'turns' needs" in lines[0], proc.stderr

@@ -67,3 +67,23 @@ def test_the_packages_are_typed():
     assert (ROOT / "engine_sidecar" / "py.typed").is_file() and (ROOT / "ragcache_integrations" / "py.typed").is_file()
     text = (ROOT / "pyproject.toml").read_text()
     assert '"py.typed"' in text and "llama-index = " in text and '"langchain-classic' in text.split("langchain = ")[1]
+
+
+def test_importing_the_engine_without_torch_is_one_message_with_nothing_chained():
+    done = _run(["torch", "transformers"], "from engine_sidecar import Engine\n")
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: ") and "pip install 'ragcache[engine]'" in last, done.stderr
+    assert "direct cause" not in done.stderr and "ModuleNotFoundError" not in done.stderr, done.stderr
+
+
+def test_the_install_docs_list_every_extra_and_what_all_pulls():
+    import re
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    table = dict(re.findall(r"^\| `([a-z-]+)` \| ([^|]+) \|$", (ROOT / "docs" / "install.md").read_text(), re.M))
+    aliases = {name for name, reqs in extras.items() if reqs == [f"ragcache[{name.replace('-', '')}]"]}
+    assert set(table) == set(extras) - aliases
+    pulled = re.fullmatch(r"ragcache\[(.+)\]", extras["all"][0]).group(1).split(",")
+    assert [w.strip() for w in table["all"].split("(")[0].split(",")] == pulled
