@@ -494,6 +494,7 @@ def summarize(rows: list[dict[str, Any]], policies: list[str],
             "f1": statistics.mean(token_f1(p["text"], r["answers"]) for r, p in texts) if texts else None,
             "rouge_l_vs_full": statistics.mean(rouge) if rouge else None,
             "rouge_l_ci95": [rouge_lo, rouge_hi],
+            **task_accuracy(texts),
             "first_token_agreement": statistics.mean(
                 float(p["first_token"] == r["policies"]["full"]["first_token"]) for r, p in per),
             "ttft_median_s": ttft,
@@ -527,6 +528,24 @@ def summarize(rows: list[dict[str, Any]], policies: list[str],
     return out
 
 
+RIGHT_F1 = 0.5  # an answer counts as right at token F1 >= 0.5 against the gold answers
+
+
+def task_accuracy(texts: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """The policy's answers judged against gold as full prefill's are: F1 as a fraction of full
+    prefill's (the papers' measure), and the answers that flipped: right under full prefill (F1 >=
+    RIGHT_F1) and wrong under the policy, and the reverse."""
+    scored = [(token_f1(p["text"], r["answers"]), token_f1(r["policies"]["full"]["text"], r["answers"]))
+              for r, p in texts if r["policies"]["full"].get("text") is not None]  # (policy's F1, full's F1)
+    if not scored:
+        return {}
+    full_f1 = statistics.mean(full for _, full in scored)
+    return {"f1_vs_full": statistics.mean(ours for ours, _ in scored) / full_f1 if full_f1 > 0 else None,
+            "flips": {"right_to_wrong": sum(full >= RIGHT_F1 > ours for ours, full in scored),
+                      "wrong_to_right": sum(ours >= RIGHT_F1 > full for ours, full in scored),
+                      "right_under_full": sum(full >= RIGHT_F1 for _, full in scored), "questions": len(scored)}}
+
+
 def gate_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
     """A gate policy's decisions over the questions: the share escalated, the median margin, and
     the mean computed share on each side of the decision (the overall mean is `computed_fraction`,
@@ -549,16 +568,21 @@ def markdown_table(summary: dict[str, dict[str, float]], config: dict[str, Any])
         f"model {config['model']}, chunk KV {config.get('chunk_kv', 'precomputed')}"
         f"{f' ({n} neighbours)' if (n := config.get('neighbours')) else ''}{turn}",
         "",
-        "| policy | EM | F1 | ROUGE-L vs full (95% CI) | first-token agreement | TTFT median (s) | TTFT vs full "
-        "| computed | recompute share |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| policy | EM | F1 | F1 vs full | flipped: right→wrong / wrong→right (of right under full) "
+        "| ROUGE-L vs full (95% CI) | first-token agreement | TTFT median (s) | TTFT vs full | computed "
+        "| recompute share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in summary.items():
         lo, hi = m.get("rouge_l_ci95", (m["rouge_l_vs_full"], m["rouge_l_vs_full"]))
         if m["rouge_l_vs_full"] is None:  # not generated (--no-generate)
-            quality = "- | - | -"
+            quality = "- | - | - | - | -"
         else:
-            quality = f"{m['em']:.2f} | {m['f1']:.3f} | {m['rouge_l_vs_full']:.3f} ({lo:.2f}-{hi:.2f})"
+            flips = m.get("flips")
+            flipped = (f"{flips['right_to_wrong']} / {flips['wrong_to_right']} (of {flips['right_under_full']})"
+                       if flips else "-")
+            quality = (f"{m['em']:.2f} | {m['f1']:.3f} | {_or_dash(m.get('f1_vs_full'))} | {flipped} | "
+                       f"{m['rouge_l_vs_full']:.3f} ({lo:.2f}-{hi:.2f})")
         lines.append(f"| {name} | {quality} | "
                      f"{m['first_token_agreement']:.2f} | {m['ttft_median_s']:.3f} | {m['ttft_ratio_vs_full']:.3f} | "
                      f"{m['computed_fraction']:.3f} | {m['recompute_share']:.3f} |")

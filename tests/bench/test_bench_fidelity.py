@@ -50,6 +50,10 @@ def test_fidelity_bench_runs_every_policy_family_and_writes_table_json_and_plot(
     assert result["policies"]["reuse"]["recompute_share"] == 0.0
     assert 0.0 < result["policies"]["cachetune:0.15"]["recompute_share"] < 0.5
     assert "| cachecraft:0.5 |" in out.with_suffix(".md").read_text()
+    assert "right→wrong / wrong→right" in out.with_suffix(".md").read_text()
+    for m in result["policies"].values():  # every answer judged against gold beside full prefill's
+        assert m["flips"]["questions"] == 3 and m["flips"]["right_to_wrong"] <= m["flips"]["right_under_full"]
+    assert result["policies"]["full"]["flips"]["right_to_wrong"] == 0
     # teacher-forced along full's answer: full agrees with itself, the others are compared with
     # cacheblend:0.15:temp1 (the default baseline) question by question
     full = result["policies"]["full"]
@@ -66,6 +70,26 @@ def test_fidelity_bench_runs_every_policy_family_and_writes_table_json_and_plot(
     stages = {name: m["stage_ms"] for name, m in result["policies"].items()}
     assert "prefill_dense_layers_s" in stages["cacheblend:0.15:temp1"]
     assert "prefill_dense_layers_s" not in stages["reuse"] and stages["reuse"]["prefill_sparse_layers_s"] > 0
+
+
+def test_task_accuracy_counts_answers_flipped_against_gold_by_hand():
+    from engine_sidecar.bench.fidelity import summarize
+
+    def row(full: str, ours: str, gold: str) -> dict:
+        return {"answers": [gold], "policies": {
+            "full": {"text": full, "first_token": 1, "ttft_s": 1.0, "computed_fraction": 1.0},
+            "reuse": {"text": ours, "first_token": 1, "ttft_s": 0.1, "computed_fraction": 0.0}}}
+
+    rows = [row("exeter college oxford", "university of oxford", "Exeter College, Oxford"),  # right -> wrong
+            row("thomas nabbes", "thomas nabbes", "Thomas Nabbes"),  # right both
+            row("anthony hopkins", "bryan fuller", "Bryan Fuller"),  # wrong -> right
+            row("nobody", "no one", "Mads Mikkelsen")]  # wrong both
+    summary = summarize(rows, ["full", "reuse"])
+    assert summary["reuse"]["flips"] == {"right_to_wrong": 1, "wrong_to_right": 1, "right_under_full": 2,
+                                         "questions": 4}
+    assert summary["full"]["flips"]["right_to_wrong"] == 0 and summary["full"]["f1_vs_full"] == 1.0
+    # mean F1, policy over full: oxford 1/3 vs 1 (one shared word of three), nabbes 1 vs 1, fuller 1 vs 0
+    assert summary["reuse"]["f1_vs_full"] == pytest.approx((1 / 3 + 1 + 1) / (1 + 1))
 
 
 def test_stage_medians_by_hand():
