@@ -196,6 +196,13 @@ def cmd_calibrate_temperature(args: argparse.Namespace) -> int:
     return run_calibrate_temperature(args)
 
 
+def _model_list(text: str) -> list[str]:
+    models = [m.strip() for m in text.split(",")]
+    if not all(models) or len(set(models)) != len(models):
+        raise argparse.ArgumentTypeError(f"needs distinct model names separated by commas, got {text!r}")
+    return models
+
+
 def cmd_bench_fidelity(args: argparse.Namespace) -> int:
     from engine_sidecar.bench.fidelity_modes import run_fidelity
 
@@ -480,6 +487,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop starting new questions after this many minutes and report those measured (the JSON's "
                           "config says how many of --n ran); rows are also appended to <json>.partial.jsonl as they "
                           "finish")
+    fid.add_argument("--models", type=_model_list, default=None, metavar="M1,M2,...",
+                     help="run the same questions through several models, one after another (each a registry "
+                          "name, `default` or a prepared folder, as --model), and add one table with a block "
+                          "per model; --json X.json also keeps each model's run as X-<model>.json. "
+                          "--max-minutes applies to each model's run")
     fid.add_argument("--noise-floor", action="store_true",
                      help="also run full prefill in the other dtype (bf16 for an fp32 run, fp32 otherwise) as row "
                           "'full@<dtype>': how often full itself changes its answer with precision")

@@ -280,3 +280,42 @@ def test_each_chunk_kv_mode_reads_only_the_kv_it_made_itself(tiny_llama_dir, tmp
     assert all(a != b for a, b in zip(kl["neighbours"], kl["precomputed"], strict=True)), kl
     # the runs stored into folders of their own, removed afterwards
     assert [p for p in home.rglob("*") if p.is_file() and "kv" in p.parts] == []
+
+
+def _fidelity(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine_sidecar.cli", "bench", "fidelity", *argv],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
+
+
+def test_a_model_axis_runs_the_same_questions_through_each_model(tiny_llama_dir, smol_dir, tmp_path):
+    from tests.conftest import make_family_model
+
+    qwen3 = make_family_model(tmp_path / "tiny-qwen3", "qwen3", tokenizer_from=smol_dir)
+    out = tmp_path / "models.json"
+    proc = _fidelity("--data", "fanoutqa", "--n", "2", "--k", "3", "--max-tokens", "3", "--policies", "full,reuse",
+                     "--models", f"{tiny_llama_dir},{qwen3}", "--no-transformers", "--no-disk", "--chunk-kv",
+                     "precomputed", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    combined = json.loads(out.read_text())["models"]
+    assert list(combined) == [str(tiny_llama_dir), str(qwen3)]
+    for model, label in ((tiny_llama_dir, tiny_llama_dir.name), (qwen3, "tiny-qwen3")):
+        own = json.loads((tmp_path / f"models-{label}.json").read_text())  # each model's own full report
+        assert own["config"]["model"] == str(model) and own["config"]["n"] == 2
+        (run,) = combined[str(model)]
+        assert run["chunk_kv"] == "precomputed" and run["policies"] == own["policies"]
+        assert run["policies"]["full"]["rouge_l_vs_full"] == 1.0 and "flips" in run["policies"]["reuse"]
+    # the same questions: both models answered the same records
+    questions = [[r["question"] for r in json.loads((tmp_path / f"models-{label}.json").read_text())["rows"]]
+                 for label in (tiny_llama_dir.name, "tiny-qwen3")]
+    assert questions[0] == questions[1]
+    table = out.with_suffix(".md").read_text()
+    assert table.count(f"| {qwen3} | precomputed | 2 |") == 2 and table.count(f"| {tiny_llama_dir} |") == 2
+
+
+def test_a_model_axis_checks_every_model_before_the_first_run(tiny_llama_dir, tmp_path):
+    proc = _fidelity("--data", "fanoutqa", "--n", "2", "--models", f"{tiny_llama_dir},{tmp_path / 'missing'}",
+                     "--no-disk", "--json", str(tmp_path / "m.json"))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and len(lines) == 1 and "does not exist" in lines[0], proc.stderr
+    assert not list(tmp_path.glob("m*.json"))  # nothing ran
