@@ -18,7 +18,8 @@ from ragcache_integrations.types import Chunk, ChunkedPrompt
 DEFAULT_SYSTEM = ChunkedPrompt.model_fields["system"].default
 MAX_NEIGHBOURS = 8
 # what a warm-up that leaves `neighbours` unset uses when it has passages to choose from: the
-# only N that beat KV computed alone on both QA sets' calibration splits (docs/benchmarks.md)
+# only N that beat KV computed alone on both QA sets' calibration splits (notes/benchmarks-lab.md,
+# "How many neighbours")
 DEFAULT_NEIGHBOURS = 2
 
 Pool = Sequence[Chunk | str] | NeighbourIndex | None
