@@ -132,23 +132,34 @@ def fused_elsewhere(rows: list[Answered]) -> list[Answered]:
 
 
 def summary_table(rows: list[Answered], policy: str) -> Any:
+    """The run in a table narrow enough for an 80-column terminal (the per-question lines above it
+    hold the rest: reused and recomputed tokens, the answers themselves)."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"what reuse saved ({policy} vs full prefill, same sidecar, same run)",
+    table = Table(title=f"what reuse saved ({policy} vs full prefill, same sidecar, same run)", box=box.SIMPLE_HEAD,
                   caption="hits: retrieved passages found cached; fused: reused tokens of passages placed at new "
-                          "positions; recomp: reused but recomputed; fresh: computed without cache; full: full "
-                          "prefill TTFT; answer: the words it shares with full prefill's")
-    for col in ("#", "who", "tokens", "hits", "reused", "fused", "recomp", "fresh", "TTFT", "full", "speed-up",
-                "answer"):
-        table.add_column(col, justify="left" if col in ("who", "answer") else "right", no_wrap=True)
+                          "positions; fresh: tokens computed without cache; full: full prefill's TTFT; answer: "
+                          "the leading words it shares with full prefill's")
+    for col in ("#", "who", "hits", "fused", "fresh", "TTFT", "full", "speed-up", "answer"):
+        text = col in ("who", "answer")  # wrapped when the terminal is narrow; numbers never cut
+        table.add_column(col, justify="left" if text else "right", no_wrap=not text, overflow="fold")
     for n, row in enumerate(rows, 1):
         stats, full = row.stats, row.full
-        table.add_row(str(n), row.turn.label, str(stats["prefill_tokens"]),
-                      f"{stats['chunk_hits']}/{stats['chunks']}", str(stats["tokens_reused"]),
-                      str(stats["tokens_fused"]), str(stats["tokens_recomputed"]), str(stats["tokens_computed"]),
-                      f"{stats['ttft_s']:.2f}s", f"{full['ttft_s']:.2f}s",
-                      f"{full['ttft_s'] / max(stats['ttft_s'], 1e-9):.1f}x", row.agreement)
+        table.add_row(str(n), f"{row.turn.user} {row.turn.chat}", f"{stats['chunk_hits']}/{stats['chunks']}",
+                      str(stats["tokens_fused"]), str(stats["tokens_computed"]), f"{stats['ttft_s']:.2f}s",
+                      f"{full['ttft_s']:.2f}s", f"{full['ttft_s'] / max(stats['ttft_s'], 1e-9):.1f}x",
+                      short_agreement(row.answer, row.full_answer))
     return table
+
+
+def short_agreement(answer: str, full_answer: str) -> str:
+    """`answer_agreement` in a table cell: 'same', or 'k/n words'."""
+    said = answer_agreement(answer, full_answer)
+    if said == "same":
+        return said
+    shared, total = said.removeprefix("first ").removesuffix(" words").split(" of ")
+    return f"{shared}/{total} words"
 
 
 def build_parser() -> argparse.ArgumentParser:

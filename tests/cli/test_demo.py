@@ -71,3 +71,18 @@ def test_the_demo_script_is_checked_before_anything_starts(tmp_path):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 1 and len(lines) == 1 and "'turns' needs" in lines[0], proc.stderr
+
+
+def test_the_demo_table_fits_an_80_column_terminal_without_cutting_cells():
+    """`make demo` piped or in a plain terminal renders at 80 columns: no cell cut to '…'."""
+    from rich.console import Console
+
+    from examples.chatbot.demo import Answered, Turn, summary_table
+
+    stats = {"chunk_hits": 12, "chunks": 12, "tokens_fused": 12345, "tokens_computed": 12345, "ttft_s": 12.34}
+    rows = [Answered(Turn("benedict", 12, "q"), stats, {"ttft_s": 123.45}, "a b c", "a b c d e f g h i j k l")] * 3
+    console = Console(width=80, record=True)
+    console.print(summary_table(rows, "cacheblend:0.15:min24"))
+    text = console.export_text()
+    assert "…" not in text  # nothing cut: text cells wrap, numbers stay whole
+    assert all(number in text for number in ("12/12", "12345", "12.34s", "123.45s", "10.0x", "3/12"))
