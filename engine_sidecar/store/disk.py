@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save
 
 from engine_sidecar.store.entry import ChunkKV, finite_kv
 from engine_sidecar.store.folder_claim import OWNER_FILE as OWNER_FILE
-from engine_sidecar.store.folder_claim import claim
+from engine_sidecar.store.folder_claim import claim, other_process_alive
 from engine_sidecar.store.folder_claim import folder_owner as folder_owner
 from engine_sidecar.store.write_queue import WriteQueue
 
@@ -178,20 +178,6 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether another live process may still be writing this temp file (ours at start-up is not:
-    a file with our pid is from an earlier process that had the same pid)."""
-    if pid <= 0 or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True  # someone else's live process, or no way to tell: leave its file alone
-    return True
-
-
 def _aux_checksum(token_ids: torch.Tensor, scores: torch.Tensor | None, meta: dict[str, str]) -> str:
     """What the KV row checksums leave out, for a lazy read to verify up front: token ids, scores
     and the header metadata (chunk id, tenant, Cache-Craft variant)."""
@@ -257,7 +243,7 @@ class DiskTier:
                 name = path.name
                 try:
                     if name.endswith(_TMP):
-                        if not _pid_alive(_tmp_pid(name)):
+                        if not other_process_alive(_tmp_pid(name)):  # its writer may still be at work
                             path.unlink(missing_ok=True)
                             self.counters.orphans_removed += 1
                         continue

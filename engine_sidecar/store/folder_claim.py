@@ -200,10 +200,12 @@ def _pid_in_file(fd: int) -> int | None:
         pid = int(os.pread(fd, 32, 0).decode().strip() or 0)
     except (OSError, ValueError):
         return None
-    return pid if _alive(pid) else None
+    return pid if other_process_alive(pid) else None
 
 
-def _alive(pid: int) -> bool:
+def other_process_alive(pid: int) -> bool:
+    """Whether `pid` is another process that may still be alive (never this one: a pid of ours in
+    a file is from an earlier process that had the same pid)."""
     if pid <= 0 or pid == os.getpid():
         return False
     try:
