@@ -61,13 +61,20 @@ class Answered:
         return answer_agreement(self.answer, self.full_answer)
 
 
-def answer_agreement(answer: str, full_answer: str) -> str:
-    """'same' when the two answers are the same words; else how many leading words they share."""
+def shared_words(answer: str, full_answer: str) -> tuple[int, int] | None:
+    """None when the two answers are the same words; else (leading words they share, words in the
+    longer one)."""
     ours, theirs = answer.split(), full_answer.split()
     if ours == theirs:
-        return "same"
+        return None
     shared = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
-    return f"first {shared} of {max(len(ours), len(theirs))} words"
+    return shared, max(len(ours), len(theirs))
+
+
+def answer_agreement(answer: str, full_answer: str) -> str:
+    """'same', or how many leading words the answer shares with full prefill's."""
+    shared = shared_words(answer, full_answer)
+    return "same" if shared is None else f"first {shared[0]} of {shared[1]} words"
 
 
 async def run_turn(service: Any, conversation_id: str, question: str, out: Any = None) -> tuple[str, list, dict]:
@@ -155,11 +162,8 @@ def summary_table(rows: list[Answered], policy: str) -> Any:
 
 def short_agreement(answer: str, full_answer: str) -> str:
     """`answer_agreement` in a table cell: 'same', or 'k/n words'."""
-    said = answer_agreement(answer, full_answer)
-    if said == "same":
-        return said
-    shared, total = said.removeprefix("first ").removesuffix(" words").split(" of ")
-    return f"{shared}/{total} words"
+    shared = shared_words(answer, full_answer)
+    return "same" if shared is None else f"{shared[0]}/{shared[1]} words"
 
 
 def build_parser() -> argparse.ArgumentParser:
