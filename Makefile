@@ -135,7 +135,7 @@ bench-neighbours-n: model
 	    $(BIN)/ragcache bench fidelity --data $$2 --start $$3 --n 40 $(NB_FLAGS) --policies full,cacheblend --chunk-kv neighbours --neighbours $$n --json bench-results/ns/$$1-n$$n.json || exit 1; \
 	    runs="$$runs n$$n=bench-results/ns/$$1-n$$n.json"; \
 	  done; \
-	  $(BIN)/python -m engine_sidecar.bench.paired_runs bench-results/ns/$$1-paired.json $$runs --baseline cacheblend:0.15:temp1@pre || exit 1; \
+	  $(BIN)/python -m ragcache_lab.paired_runs bench-results/ns/$$1-paired.json $$runs --baseline cacheblend:0.15:temp1@pre || exit 1; \
 	done
 
 bench-prefetch: model
@@ -163,9 +163,9 @@ bench-cluster: model
 
 # What a CUDA machine without network needs for `ragcache bench gpu` from a plain checkout: the
 # server stack's wheels (CPython 3.12, x86-64) and the tokenizer, in .gpu-kit/ (docs/deployment.md).
-# There: python3 -m engine_sidecar.bench.gpu_kit run --out "$$OUT"
+# There: python3 -m ragcache_lab.gpu_kit run --out "$$OUT"
 gpu-kit: model
-	$(BIN)/python -m engine_sidecar.bench.gpu_kit pack
+	$(BIN)/python -m ragcache_lab.gpu_kit pack
 
 # Every Triton kernel compiled for an H100 (sm_90a) at the engine's shapes and checked against
 # its limits, without a GPU (docs/kernels.md).

@@ -1,8 +1,8 @@
 """The engine flags every engine-running command shares, and the Engine they build.
 
 The flags are generated from EngineConfig (engine_config.py holds each setting's flag, help and
-default once). Kept below both `cli/` and `bench/` (and the demo), which import it; the CLI
-imports the benchmarks, so the benchmarks must not import the CLI. Standard library and the
+default once). Kept below `cli/`, `calibrate/` and the benchmark lab (ragcache_lab/), which import
+it; the CLI loads the benchmarks, so the benchmarks must not import the CLI. Standard library and the
 plain-data config only: the engine (torch) is imported when `engine_from_args` runs.
 """
 

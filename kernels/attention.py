@@ -5,6 +5,9 @@ positions; keys/values are the whole assembled KV. A query sees a key iff key_po
 (and, with a sliding window, key_pos > query_pos - window). PyTorch's `is_causal=True` is
 top-left aligned when query and key lengths differ, which is wrong for a token subset, so the
 mask is explicit unless the queries are exactly all keys in order.
+
+A decode step's single newest query sees every key, so it needs no mask at all
+(`single_query_attention`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def selective_attention(
     gqa = q.shape[1] != k.shape[1]
     if dense_causal and sliding_window is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
-    elif sliding_window is None and _is_long_suffix(query_pos, key_pos):
+    elif sliding_window is None and is_long_suffix(query_pos, key_pos):
         # Queries are the last Tq of Tk consecutive keys (everything after a reused exact prefix).
         # An explicit mask costs Tq*Tk; the causal kernel skips the upper triangle (Tk*Tk/2), so
         # when Tq > Tk/2 it is cheaper to pad the queries to all Tk positions and drop the padding.
@@ -88,13 +91,33 @@ def causal_groups(query_pos: torch.Tensor, key_pos: torch.Tensor) -> list[tuple[
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def _is_long_suffix(query_pos: torch.Tensor, key_pos: torch.Tensor) -> bool:
+def is_long_suffix(query_pos: torch.Tensor, key_pos: torch.Tensor) -> bool:
     tq, tk = query_pos.shape[0], key_pos.shape[0]
     if not (tk // 2 < tq < tk):
         return False
     expected = torch.arange(tk, device=key_pos.device, dtype=key_pos.dtype)
     return bool(torch.equal(key_pos, expected) and torch.equal(query_pos, expected[tk - tq:]))
 
+
+def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The newest token's query [H, D] over keys [n, Hkv, D] -> [H * D]. It sees every key (the
+    last `window` with a sliding window), so no mask is needed. Two small matmuls; the softmax in
+    fp32: CPU SDPA's flash kernel costs several times as much for a single query. In fp32 the
+    query goes left (q @ K^T). In bf16/fp16 the keys go left (K @ q^T) in their own dtype, because
+    converting K and V to fp32 would be a large share of a batched decode step; the scores are
+    rounded to bf16 once, as in transformers' eager attention. The same order in fp32 is slower,
+    hence two paths."""
+    if window is not None and k.shape[0] > window:
+        k, v = k[-window:], v[-window:]
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    scale = head_dim**-0.5
+    queries = q.view(kv_heads, q.shape[0] // kv_heads, head_dim)
+    if q.dtype == torch.float32:
+        scores = torch.matmul(queries, k.permute(1, 2, 0)).mul_(scale)
+        return torch.matmul(torch.softmax(scores, dim=-1), v.permute(1, 0, 2)).reshape(-1)
+    scores = torch.matmul(k.transpose(0, 1), queries.transpose(1, 2))  # [Hkv, n, group]
+    probs = torch.softmax(scores.float().mul_(scale), dim=1).to(v.dtype)
+    return torch.matmul(probs.transpose(1, 2), v.transpose(0, 1)).reshape(-1)  # [Hkv, group, D]
 
 def segment_ids_from_boundaries(boundaries: torch.Tensor, num_keys: int) -> torch.Tensor:
     """Segment id per key from sorted segment start offsets (into the key axis).

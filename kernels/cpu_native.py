@@ -90,12 +90,11 @@ def forced() -> bool:
 def prefers_native(dtype: torch.dtype, dense_causal: bool) -> bool:
     """Whether the native prefill attention is the faster path for `dtype` on this CPU, by what
     was measured (docs/benchmarks.md, "Native CPU attention"). bf16: yes, except with AMX, where
-    torch's SDPA runs its GEMMs on AMX tiles (1.7x faster on scattered queries, 3x on a dense
-    causal prefill than this AVX512 kernel). fp32: never for a dense causal prefill (PyTorch's
-    flash SDPA is as fast or faster), and for scattered queries except on those CPUs too (this
-    kernel is AVX2: 1.29x faster than torch on an AVX2-only Zen 3, 0.77x on the AMX Xeon, whose
-    AVX-512 units are full width; Zen 4's half-width AVX-512 is not measured, so it keeps the
-    kernel)."""
+    torch's SDPA runs its GEMMs on AMX tiles, which beat this AVX512 kernel on scattered queries
+    and on a dense causal prefill. fp32: never for a dense causal prefill (PyTorch's flash SDPA
+    is as fast or faster), and for scattered queries except on those CPUs too (this kernel is
+    AVX2: it beats torch on an AVX2-only Zen 3 but not on the AMX Xeon, whose AVX-512 units are
+    full width; Zen 4's half-width AVX-512 is not measured, so it keeps the kernel)."""
     if forced():
         return True
     if "amx_bf16" in _cpu_flags():
@@ -286,7 +285,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
 # The most activation rows the native linear layer takes (a decode step's batch); past that the
 # BLAS GEMM torch calls reads the weights once too.
 LINEAR_MAX_ROWS = 8
-# With AMX, torch's bf16 GEMM is faster from 3 rows on (1.2-1.8x on SmolLM2's decode matrices).
+# With AMX, torch's bf16 GEMM runs on AMX tiles and is the faster one from 3 rows on
+# (docs/benchmarks.md, "Native CPU attention").
 AMX_LINEAR_MAX_ROWS = 2
 
 

@@ -76,8 +76,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
                backend: str | None = None) -> torch.Tensor:
     """RoPE (NeoX halves) of x [T, heads, D] or [layers, T, heads, D] by tables [T, D], into `out`
     when given. On a CPU in "auto", ragcache's native kernel: torch's result bit for bit in one
-    pass (torch's four strided ops ran 10-15x slower over a prompt's cached keys); elsewhere the
-    torch reference, `rope.apply_rope`."""
+    pass, where torch makes four strided passes over a prompt's cached keys (docs/kernels.md);
+    elsewhere the torch reference, `rope.apply_rope`."""
     if _requested(backend) == "auto" and x.device.type == "cpu":
         done = _cpu_native.rope(x, cos.to(x.dtype), sin.to(x.dtype), out)
         if done is not None:
@@ -92,7 +92,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            residual: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """`residual + x @ weight^T + bias` (either may be None) for x [M, K], weight [N, K]. On a CPU
     in "auto", ragcache's native kernel for a decode step's few rows (the weights read once for
-    every row, 1.2-5x faster than the BLAS GEMM torch calls at 1-3 rows); torch's otherwise."""
+    every row, which beats the BLAS GEMM torch calls at so few rows: docs/benchmarks.md); torch's
+    otherwise."""
     if _requested(backend) == "auto" and x.device.type == "cpu" and (bias is None or residual is None):
         done = _cpu_native.linear(x, weight, residual if residual is not None else bias)
         if done is not None:

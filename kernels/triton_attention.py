@@ -29,19 +29,19 @@ from ragcache_kernels._triton_common import MAX_MASS_SEGMENTS, check_device, dot
 LOG2E = 1.4426950408889634
 # Sizes that change from request to request. Triton compiles a new variant for an int argument
 # equal to 1 or divisible by 16 unless told not to: left specialised, a stream of prompts of
-# varying lengths compiled ~13 variants of this kernel on one model (a second or so each on a
-# GPU, on whichever request met the shape first). Strides stay specialised: they are fixed per
+# varying lengths compiles many variants of this kernel on one model, each compile landing on
+# whichever request meets its shape first. Strides stay specialised: they are fixed per
 # model, and their divisibility lets loads vectorise, except those of the splits' partial results,
 # which grow with the query count.
 SIZES_OF_ATTENTION = ["num_queries", "num_keys", "keys_per_split", "window", "stride_ps", "stride_ms"]
 # Sentinel position beyond any real one (positions are int64).
-_FAR = tl.constexpr(1 << 62)
+FAR = tl.constexpr(1 << 62)
 
 
 @triton.jit
-def _store_queries(OUT, MASS, PART_ACC, PART_ML, acc, seg_acc, m_i, l_i, offs_m, offs_d, seg_cols, m_ok, d_ok, head,
-                   split, stride_ot, stride_oh, stride_mt, stride_mh, stride_ps, stride_pt, stride_ms, stride_mtq,
-                   HEAD_DIM: tl.constexpr, WITH_MASS: tl.constexpr, SPLIT: tl.constexpr):
+def store_queries(OUT, MASS, PART_ACC, PART_ML, acc, seg_acc, m_i, l_i, offs_m, offs_d, seg_cols, m_ok, d_ok, head,
+                  split, stride_ot, stride_oh, stride_mt, stride_mh, stride_ps, stride_pt, stride_ms, stride_mtq,
+                  HEAD_DIM: tl.constexpr, WITH_MASS: tl.constexpr, SPLIT: tl.constexpr):
     """A query block's result: a split's partial softmax for the merge kernel, else the output
     (and its attention mass) normalised."""
     if SPLIT:
@@ -109,10 +109,10 @@ def _attend_block(acc, seg_acc, m_i, l_i, q, qpos, K, V, KPOS, SEG, start, key_h
 
 
 @triton.jit
-def _attend_keys_at_index(acc, seg_acc, m_i, l_i, q, qpos, q_lo, q_hi, K, V, KPOS, SEG, key_lo, key_hi, kv_head,
-                          qk_scale, window, stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols,
-                          BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, WITH_MASS: tl.constexpr,
-                          DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+def attend_keys_at_index(acc, seg_acc, m_i, l_i, q, qpos, q_lo, q_hi, K, V, KPOS, SEG, key_lo, key_hi, kv_head,
+                         qk_scale, window, stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols,
+                         BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, WITH_MASS: tl.constexpr,
+                         DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """Keys [key_lo, key_hi) folded into a query block's online softmax, key i at position i.
     What the block may see is then a range of key blocks known before the loop: the loops carry
     no branch and Triton pipelines their loads. Key blocks wholly before the block's first query
@@ -166,8 +166,8 @@ def _selective_attention_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
     # Bounds of what this block of queries may see, to skip whole key blocks.
-    q_hi = tl.max(tl.where(m_ok, qpos, -_FAR), axis=0)
-    q_lo = tl.min(tl.where(m_ok, qpos, _FAR), axis=0)
+    q_hi = tl.max(tl.where(m_ok, qpos, -FAR), axis=0)
+    q_lo = tl.min(tl.where(m_ok, qpos, FAR), axis=0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -176,7 +176,7 @@ def _selective_attention_kernel(
     seg_cols = tl.arange(0, BLOCK_S)
 
     if KEYS_AT_INDEX:
-        acc, seg_acc, m_i, l_i = _attend_keys_at_index(
+        acc, seg_acc, m_i, l_i = attend_keys_at_index(
             acc, seg_acc, m_i, l_i, q, qpos, q_lo, q_hi, K, V, KPOS, SEG, key_lo, key_hi, kv_head, qk_scale, window,
             stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols, BLOCK_N, HAS_WINDOW, WITH_MASS,
             DOT_FP32, PRECISION)
@@ -185,10 +185,10 @@ def _selective_attention_kernel(
             offs_n = start + tl.arange(0, BLOCK_N)
             n_ok = offs_n < key_hi
             kpos = tl.load(KPOS + offs_n, mask=n_ok, other=0)
-            k_lo = tl.min(tl.where(n_ok, kpos, _FAR), axis=0)
+            k_lo = tl.min(tl.where(n_ok, kpos, FAR), axis=0)
             useful = k_lo <= q_hi
             if HAS_WINDOW:
-                k_hi = tl.max(tl.where(n_ok, kpos, -_FAR), axis=0)
+                k_hi = tl.max(tl.where(n_ok, kpos, -FAR), axis=0)
                 useful = useful & (k_hi > q_lo - window)
             if useful:
                 acc, seg_acc, m_i, l_i = _attend_block(
@@ -196,9 +196,9 @@ def _selective_attention_kernel(
                     stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok, seg_cols, BLOCK_N, HAS_WINDOW,
                     WITH_MASS, DOT_FP32, PRECISION, False, True)
 
-    _store_queries(OUT, MASS, PART_ACC, PART_ML, acc, seg_acc, m_i, l_i, offs_m, offs_d, seg_cols, m_ok, d_ok, head,
-                   split, stride_ot, stride_oh, stride_mt, stride_mh, stride_ps, stride_pt, stride_ms, stride_mtq,
-                   HEAD_DIM, WITH_MASS, SPLIT)
+    store_queries(OUT, MASS, PART_ACC, PART_ML, acc, seg_acc, m_i, l_i, offs_m, offs_d, seg_cols, m_ok, d_ok, head,
+                  split, stride_ot, stride_oh, stride_mt, stride_mh, stride_ps, stride_pt, stride_ms, stride_mtq,
+                  HEAD_DIM, WITH_MASS, SPLIT)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ms"])

@@ -22,15 +22,15 @@ import triton.language as tl
 
 from ragcache_kernels._triton_common import check_device, dot_in_fp32
 from ragcache_kernels.triton_attention import (
-    _FAR,
+    FAR,
     LOG2E,
     MERGE_BLOCK_SPLITS,
-    _attend_keys_at_index,
-    _store_queries,
+    attend_keys_at_index,
     default_blocks,
     merge_splits_kernel,
+    store_queries,
 )
-from ragcache_kernels.triton_rope import _rope_store_kernel
+from ragcache_kernels.triton_rope import rope_store_kernel
 
 # The table: the buffers' addresses, the layer stride (elements), the keys attended, the rows
 # stored, and the last stored row's index among the rows (where the logits are read)
@@ -78,9 +78,9 @@ def _store_from_table_kernel(
     keys_pre = tl.multiple_of(tl.load(TABLE + _KEYS_PRE).to(tl.pointer_type(dtype)), 16) + at_layer
     keys = tl.multiple_of(tl.load(TABLE + _KEYS).to(tl.pointer_type(dtype)), 16) + at_layer
     values = tl.multiple_of(tl.load(TABLE + _VALUES).to(tl.pointer_type(dtype)), 16) + at_layer
-    _rope_store_kernel(QKV, Q_OUT, keys_pre, keys, values, ROWS, INV_FREQ, num_queries, tl.load(TABLE + _NUM_ROWS),
-                       stride_src, stride_qt, stride_qh, NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
-                       HEAD_DIM, HALF, BLOCK_HALF, BLOCK_T)
+    rope_store_kernel(QKV, Q_OUT, keys_pre, keys, values, ROWS, INV_FREQ, num_queries, tl.load(TABLE + _NUM_ROWS),
+                      stride_src, stride_qt, stride_qh, NUM_KV_HEADS * HEAD_DIM, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS,
+                      HEAD_DIM, HALF, BLOCK_HALF, BLOCK_T)
 
 
 @triton.jit(do_not_specialize=["layer", "num_queries"])
@@ -114,20 +114,20 @@ def _attend_from_table_kernel(
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    q_hi = tl.max(tl.where(m_ok, qpos, -_FAR), axis=0)
-    q_lo = tl.min(tl.where(m_ok, qpos, _FAR), axis=0)
+    q_hi = tl.max(tl.where(m_ok, qpos, -FAR), axis=0)
+    q_lo = tl.min(tl.where(m_ok, qpos, FAR), axis=0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     seg_acc = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
     seg_cols = tl.arange(0, BLOCK_S)
-    acc, seg_acc, m_i, l_i = _attend_keys_at_index(
+    acc, seg_acc, m_i, l_i = attend_keys_at_index(
         acc, seg_acc, m_i, l_i, q, qpos, q_lo, q_hi, keys, values, ROWS, ROWS, key_lo, key_hi, kv_head, qk_scale,
         window, KV_HEADS * HEAD_DIM, HEAD_DIM, KV_HEADS * HEAD_DIM, HEAD_DIM, offs_d, d_ok, seg_cols, BLOCK_N,
         HAS_WINDOW, False, DOT_FP32, PRECISION)
-    _store_queries(OUT, PART_ACC, PART_ACC, PART_ML, acc, seg_acc, m_i, l_i, offs_m, offs_d, seg_cols, m_ok, d_ok, head,
-                   split, stride_ot, stride_oh, 0, 0, stride_ps, stride_pt, stride_ms, stride_mtq, HEAD_DIM, False,
-                   SPLIT)
+    store_queries(OUT, PART_ACC, PART_ACC, PART_ML, acc, seg_acc, m_i, l_i, offs_m, offs_d, seg_cols, m_ok, d_ok, head,
+                  split, stride_ot, stride_oh, 0, 0, stride_ps, stride_pt, stride_ms, stride_mtq, HEAD_DIM, False,
+                  SPLIT)
 
 
 @dataclass(frozen=True)

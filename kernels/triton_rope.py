@@ -127,7 +127,7 @@ def rotate_keys(
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_stored"])
-def _rope_store_kernel(
+def rope_store_kernel(
     QKV,
     Q_OUT,
     K_PRE,
@@ -219,7 +219,7 @@ def rope_and_store(joint: torch.Tensor, num_heads: int, num_kv_heads: int, rows:
     if inv_freq.numel() != half:
         raise ValueError(f"inv_freq has {inv_freq.numel()} entries, expected head_dim/2 = {half}")
     block_t = 16 if joint.dtype == torch.float32 and half > 32 else 32
-    _rope_store_kernel[(triton.cdiv(num_rows, block_t),)](
+    rope_store_kernel[(triton.cdiv(num_rows, block_t),)](
         joint, q, keys_pre, keys, values, rows, inv_freq, num_rows, num_rows, joint.stride(0), q.stride(0), q.stride(1),
         keys.stride(0), keys.stride(1), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_T=block_t,

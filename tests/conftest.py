@@ -122,7 +122,8 @@ def assert_batched_decode_matches_forward(runner, tol: float, steps: int = 4) ->
     full forward of each extended sequence gives."""
     import torch
 
-    from engine_sidecar.execution.executor import decode_batch, fused_prefill
+    from engine_sidecar.execution.batched_decode import decode_batch
+    from engine_sidecar.execution.fused_prefill import fused_prefill
     from engine_sidecar.execution.plan import FusionPlan, PlanSpan
     from engine_sidecar.execution.policies import FullPolicy
 

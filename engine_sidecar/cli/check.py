@@ -44,7 +44,8 @@ def guard_transformers(runner: Any, model_dir: Path, ids: torch.Tensor) -> Guard
     """Full prefill and greedy decode against transformers in the runner's dtype."""
     from transformers import AutoModelForCausalLM
 
-    from engine_sidecar.execution.executor import decode_step, fused_prefill
+    from engine_sidecar.execution.batched_decode import decode_step
+    from engine_sidecar.execution.fused_prefill import fused_prefill
     from engine_sidecar.execution.plan import FusionPlan, PlanSpan
     from engine_sidecar.execution.policies import FullPolicy
 
@@ -72,11 +73,11 @@ def guard_transformers(runner: Any, model_dir: Path, ids: torch.Tensor) -> Guard
 
 def guard_ratio_one(runner: Any, ids: tuple[int, ...]) -> Guard:
     from engine_sidecar.execution import kernel_warmup
-    from engine_sidecar.execution.executor import fused_prefill
+    from engine_sidecar.execution.fused_prefill import fused_prefill
     from engine_sidecar.execution.plan import FusionPlan, PlanSpan
     from engine_sidecar.execution.policies import CacheBlendPolicy, FullPolicy
 
-    plan = kernel_warmup._fused_plan(ids, kernel_warmup._full(runner, ids))
+    plan = kernel_warmup.fused_plan(ids, kernel_warmup.full_kv(runner, ids))
     full_plan = FusionPlan([PlanSpan("question", 0, tuple(plan.token_ids), "fresh")], "full")
     full = fused_prefill(runner, full_plan, FullPolicy()).logits
     one = fused_prefill(runner, plan, CacheBlendPolicy(1.0)).logits
@@ -91,8 +92,8 @@ def guard_rotation(runner: Any, ids: tuple[int, ...]) -> Guard:
     from engine_sidecar.execution import kernel_warmup
 
     chunk, offset = ids[:24], 57
-    alone = kernel_warmup._full(runner, chunk)
-    after = kernel_warmup._full(runner, ids[24 : 24 + offset] + chunk)
+    alone = kernel_warmup.full_kv(runner, chunk)
+    after = kernel_warmup.full_kv(runner, ids[24 : 24 + offset] + chunk)
     worst = 0.0
     positions = torch.arange(offset, offset + len(chunk), device=runner.device)
     placed = runner.rope(alone.keys_pre[0, : len(chunk)], positions, 0)
@@ -106,11 +107,11 @@ def guard_kernels(runner: Any) -> Guard:
     if runner.device.type != "cuda":
         return Guard("Triton kernels == torch reference", None, "no GPU here: skipped", "")
     from engine_sidecar.execution import kernel_warmup
-    from engine_sidecar.execution.executor import fused_prefill
+    from engine_sidecar.execution.fused_prefill import fused_prefill
     from engine_sidecar.execution.policies import CacheBlendPolicy
 
-    ids = kernel_warmup._ids(256, runner.config.vocab_size, 5)
-    plan = kernel_warmup._fused_plan(ids, kernel_warmup._full(runner, ids))
+    ids = kernel_warmup.made_up_ids(256, runner.config.vocab_size, 5)
+    plan = kernel_warmup.fused_plan(ids, kernel_warmup.full_kv(runner, ids))
     import os
 
     triton = fused_prefill(runner, plan, CacheBlendPolicy(0.15)).logits
@@ -130,7 +131,7 @@ def guard_kernels(runner: Any) -> Guard:
 def fidelity_probe(engine: Any, policies: tuple[str, ...]) -> dict[str, dict[str, float]]:
     """Per policy: first-token and teacher-forced agreement with full prefill, and ROUGE-L of its
     free-running answer against full prefill's, averaged over the bundled questions."""
-    from engine_sidecar.bench.metrics import rouge_l
+    from engine_sidecar.calibrate.metrics import rouge_l
     from ragcache_integrations.types import ChunkedPrompt, SamplingParams
 
     engine.warm(PASSAGES)
@@ -168,7 +169,7 @@ def run_check(model: str, device: str, dtype: str, json_out: Path | None, probe:
         # the passages' own tokens (a random model's vocabulary may be smaller than its tokenizer's)
         ids = torch.tensor([t % c.vocab_size for t in engine.builder.encode(" ".join(PASSAGES))[:96]])
         if len(ids) < 96:
-            ids = torch.tensor(kernel_warmup._ids(96, c.vocab_size, 1))
+            ids = torch.tensor(kernel_warmup.made_up_ids(96, c.vocab_size, 1))
         guards = [guard_transformers(runner, model_dir, ids), guard_ratio_one(runner, tuple(ids.tolist())),
                   guard_rotation(runner, tuple(ids.tolist())), guard_kernels(runner)]
         fidelity = fidelity_probe(engine, ("reuse", DEFAULT_POLICY)) if probe else {}

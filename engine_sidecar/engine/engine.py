@@ -9,6 +9,7 @@ take the same lock between steps.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from engine_sidecar.engine.step import PrefillStep
 from engine_sidecar.engine.verify import FirstTokenVerifier
 from engine_sidecar.engine.warm import Pool, WarmReport, warm_chunks
 from engine_sidecar.engine_config import EngineConfig
+from engine_sidecar.execution.batched_decode import decode_batch
 from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.calibration import resolve as fused_temperatures
 from engine_sidecar.execution.costs import CostMeter
@@ -105,7 +107,8 @@ class Engine:
                                    eos_token_ids(runner.config.eos_token_ids, builder.tokenizer), self.max_context,
                                    config.reuse.convention, self.conversations, self.precompute, self.kv_pool,
                                    FirstTokenVerifier(runner, config.reuse.verify_fraction))
-        self.scheduler = Scheduler(runner, self._lock, self.steps, config.batching.max_batch,
+        self.scheduler = Scheduler(functools.partial(decode_batch, runner), self._lock, self.steps,
+                                   config.batching.max_batch,
                                    max(1, config.batching.kv_bytes // kv_row_bytes),
                                    decode_graphs(runner, config.batching, self.max_context))
         self._close_at_exit = _closer(weakref.ref(self))

@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable
 
 from engine_sidecar.execution.costs import CostMeter
-from engine_sidecar.execution.executor import KVBuffer, PrefillResult, fused_prefill
+from engine_sidecar.execution.fused_prefill import PrefillResult, fused_prefill
+from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies import Policy
 from engine_sidecar.execution.prefetch import preload_depth

@@ -12,7 +12,8 @@ import torch
 from engine_sidecar.engine.request_prep import RequestPreparer
 from engine_sidecar.engine.stats import request_stats
 from engine_sidecar.engine.step import PrefillStep
-from engine_sidecar.execution.executor import PrefillResult, decode_step, fused_prefill
+from engine_sidecar.execution.batched_decode import decode_step
+from engine_sidecar.execution.fused_prefill import PrefillResult, fused_prefill
 from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import Policy, parse_policy

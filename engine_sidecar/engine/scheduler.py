@@ -17,19 +17,35 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
 
 from engine_sidecar.engine.sampling import choose_tokens
 from engine_sidecar.engine.sequence import Sequence
 from engine_sidecar.errors import EngineUnavailableError
 from engine_sidecar.execution.decode_graphs import DecodeGraphs
-from engine_sidecar.execution.executor import decode_batch
-
-if TYPE_CHECKING:
-    from engine_sidecar.engine.sequence_steps import SequenceSteps
-    from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.execution.kv_buffer import KVBuffer
 
 log = logging.getLogger("ragcache.scheduler")
+
+# One batched decode step: token i appended to KV buffer i -> next-token logits [B, vocab]
+# (the engine's is `decode_batch` over its model runner)
+BatchDecode = Callable[[list[KVBuffer], list[int]], torch.Tensor]
+
+
+class SequenceStepper(Protocol):
+    """What the scheduler runs for one sequence, on the stepping thread with the lock held
+    (`SequenceSteps` in the engine)."""
+
+    def begin(self, seq: Sequence) -> bool:
+        """Plan and prefill the sequence and sample its first token: True while it wants more."""
+        ...
+
+    def complete(self, seq: Sequence) -> None:
+        """After its last token: keep what it leaves behind and post its result."""
+        ...
 
 
 class SchedulerClosed(EngineUnavailableError):
@@ -37,12 +53,13 @@ class SchedulerClosed(EngineUnavailableError):
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, lock: threading.RLock, steps: SequenceSteps, max_batch: int,
+    def __init__(self, decode: BatchDecode, lock: threading.RLock, steps: SequenceStepper, max_batch: int,
                  kv_budget_tokens: int, graphs: DecodeGraphs | None = None):
         """`steps.begin(seq)` plans and prefills a sequence and samples its first token (True while
         it wants more); `steps.complete(seq)` runs after its last token. Both run on the stepping
-        thread with `lock` held. `graphs`, where given, replays decode steps from CUDA graphs."""
-        self.runner, self.lock, self.graphs = runner, lock, graphs
+        thread with `lock` held, as does `decode`, the batched decode step over the running
+        sequences. `graphs`, where given, replays decode steps from CUDA graphs."""
+        self.decode, self.lock, self.graphs = decode, lock, graphs
         self.steps = steps
         self.max_batch = max(1, max_batch)
         self.kv_budget_tokens = kv_budget_tokens
@@ -77,11 +94,17 @@ class Scheduler:
                 self._thread.start()
             self._cond.notify()
 
-    def close(self) -> None:
-        """Stop stepping; sequences still waiting or running end with SchedulerClosed."""
+    def stop(self) -> None:
+        """Stop stepping after the step in progress, without waiting for it; sequences still
+        waiting or running then end with SchedulerClosed."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+
+    def close(self) -> None:
+        """`stop`, then wait for the stepping thread to end."""
+        self.stop()
+        with self._cond:
             thread = self._thread
         if thread is not None:
             thread.join(timeout=60)
@@ -164,7 +187,7 @@ class Scheduler:
             assert all(kv is not None for kv in kvs) and all(t is not None for t in tokens)
             logits = self.graphs.decode(kvs, tokens) if self.graphs is not None else None  # type: ignore[arg-type]
             if logits is None:
-                logits = decode_batch(self.runner, kvs, tokens)  # type: ignore[arg-type]
+                logits = self.decode(kvs, tokens)  # type: ignore[arg-type]
             choices = choose_tokens(logits, [s.sampling for s in batch], [s.generator for s in batch])
         except BaseException as exc:  # every sequence in the step is affected alike
             log.exception("batched decode step failed")

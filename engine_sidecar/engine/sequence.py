@@ -20,7 +20,7 @@ from engine_sidecar.engine.sampling import TextAccumulator, choose_token
 from ragcache_integrations.types import ChunkedPrompt, GenerationResult, GenerationStats, SamplingParams
 
 if TYPE_CHECKING:
-    from engine_sidecar.execution.executor import KVBuffer
+    from engine_sidecar.execution.kv_buffer import KVBuffer
     from engine_sidecar.execution.policies import Policy
     from engine_sidecar.reuse.planner import PlannedRequest
 

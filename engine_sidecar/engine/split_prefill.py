@@ -18,7 +18,8 @@ import torch
 
 from engine_sidecar.engine.request_prep import RequestPreparer
 from engine_sidecar.engine.step import PrefillStep
-from engine_sidecar.execution.executor import KVBuffer, PrefillResult
+from engine_sidecar.execution.fused_prefill import PrefillResult
+from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.execution.policies import Policy
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.reuse.planner import PlannedRequest

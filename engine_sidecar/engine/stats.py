@@ -3,7 +3,7 @@ computed, counted honestly (inline precompute included, queued background work a
 
 from __future__ import annotations
 
-from engine_sidecar.execution.executor import PrefillResult
+from engine_sidecar.execution.fused_prefill import PrefillResult
 from engine_sidecar.execution.policies import Policy
 from engine_sidecar.reuse.planner import PlannedRequest
 from ragcache_integrations.types import GenerationStats

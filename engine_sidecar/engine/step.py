@@ -16,7 +16,8 @@ import torch
 
 from engine_sidecar.engine.prefill_stage import PrefillStage
 from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteLogitsError
-from engine_sidecar.execution.executor import KVBuffer, PrefillResult
+from engine_sidecar.execution.fused_prefill import PrefillResult
+from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.execution.policies import Policy
 from engine_sidecar.reuse.commit import ReuseWriter
 from engine_sidecar.reuse.plan_stage import PlanStage

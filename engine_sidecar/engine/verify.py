@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from engine_sidecar.execution.executor import fused_prefill
+from engine_sidecar.execution.fused_prefill import fused_prefill
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import FullPolicy, Policy
 from engine_sidecar.model.runner import ModelRunner

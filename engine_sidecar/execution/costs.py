@@ -8,7 +8,7 @@ clipped to [r_min, r_max] so quality never drops below what r_min buys (CacheBle
 fast tier (RAM) r0 is tiny and r_min decides; on a slow disk more recompute is free.
 
 `golden_section_max` refines a ratio on a calibration set when a measured utility (e.g. quality
-minus a TTFT penalty) is unimodal in r (`bench/ratio_search.py` measures both).
+minus a TTFT penalty) is unimodal in r (`calibrate/ratio_search.py` measures both).
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from engine_sidecar.engine_config import BatchingConfig
-from engine_sidecar.execution.executor import KVBuffer, decode_layers
+from engine_sidecar.execution.batched_decode import decode_layers
 from engine_sidecar.execution.graph_capture import capture_step, graphs_unavailable
+from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.model.runner import ModelRunner
 from ragcache_kernels import dispatch
 

@@ -2,9 +2,10 @@
 
 A request's KV buffer (keys before and after RoPE and values, every layer, prompt + max_tokens
 rows) is large: SmolLM2 in bf16 needs 115 MB for a 5K-token prompt. Freshly allocated, every page
-of it is faulted in and zeroed by the kernel the first time the prefill writes it, which cost
-20-30 ms of a 150 ms `reuse` request on a 2-core EPYC. A finished sequence's buffer is kept here
-and the next request's buffer is a view of it, whose pages are already mapped.
+of it is faulted in and zeroed by the kernel the first time the prefill writes it, on the
+request's path before its first token (docs/architecture.md, "Execute", has the measurement). A
+finished sequence's buffer is kept here and the next request's buffer is a view of it, whose
+pages are already mapped.
 
 Only the scheduler's sequences take buffers from the pool, and only `Sequence.release` gives one
 back, when the sequence leaves the running set: nothing else holds a view of the buffer by then
@@ -18,7 +19,7 @@ import threading
 
 import torch
 
-from engine_sidecar.execution.executor import KVBuffer
+from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.model.runner import ModelRunner
 
 HEADROOM = 1.5  # a new storage's size over the request's need

@@ -16,7 +16,8 @@ from engine_sidecar.execution.cachecraft import (
     variant_from_meta,
     variant_to_meta,
 )
-from engine_sidecar.execution.executor import KVBuffer, PrefillResult
+from engine_sidecar.execution.fused_prefill import PrefillResult
+from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.request.fingerprint import token_ids_digest
 from engine_sidecar.request.keys import KeyFactory

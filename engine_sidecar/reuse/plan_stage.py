@@ -7,7 +7,7 @@ from __future__ import annotations
 from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.costs import CostMeter
-from engine_sidecar.execution.executor import is_tempered
+from engine_sidecar.execution.fused_temperature import is_tempered
 from engine_sidecar.execution.policies import Policy
 from engine_sidecar.request.keys import KeyFactory
 from engine_sidecar.request.prompt import PromptBuilder, Segment

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from engine_sidecar.execution.executor import PrefillResult, fused_prefill
+from engine_sidecar.execution.fused_prefill import PrefillResult, fused_prefill
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import ReusePolicy
 from engine_sidecar.model.runner import ModelRunner

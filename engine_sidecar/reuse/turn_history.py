@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_sidecar.execution.executor import KVBuffer, decode_step
+from engine_sidecar.execution.batched_decode import decode_step
+from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.reuse.conversation import Conversation
 from engine_sidecar.reuse.planner import PlannedRequest

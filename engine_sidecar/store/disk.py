@@ -85,10 +85,10 @@ class LayerReader:
         (through gaps up to max_gap rows) and verified row by row: (start, end, keys, values)."""
         if self._memory is not None:
             return [(start, end, self._memory.keys[index, start:end], self._memory.values[index, start:end])
-                    for start, end in _runs(rows, max_gap)]
+                    for start, end in row_runs(rows, max_gap)]
         out = []
         keys_slice, values_slice = self._handle.get_slice("keys"), self._handle.get_slice("values")
-        for start, end in _runs(rows, max_gap):
+        for start, end in row_runs(rows, max_gap):
             keys = keys_slice[index : index + 1, start:end]
             values = values_slice[index : index + 1, start:end]
             self._verify(index, start, end, keys, values)
@@ -118,7 +118,7 @@ def _row_sums(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return (words * weights).sum(dim=2)
 
 
-def _runs(rows: torch.Tensor, max_gap: int) -> list[tuple[int, int]]:
+def row_runs(rows: torch.Tensor, max_gap: int) -> list[tuple[int, int]]:
     """Ascending row indices -> [start, end) ranges, reading through gaps up to max_gap rows."""
     out: list[tuple[int, int]] = []
     for r in rows.tolist():

@@ -153,7 +153,7 @@ class CacheLayout:
                 other = torch.full_like(digit, -2)
                 scratch.fill_(-1)
                 keys, values = (digit, other) if part == "key" else (other, digit)
-                _write_block(scratch, keys, values, slots, isa)
+                write_block(scratch, keys, values, slots, isa)
                 flat = scratch.view(-1).float()
                 mask = flat >= 0
                 written |= mask
@@ -315,8 +315,8 @@ class RagcacheConnector(KVConnectorBase_V1):
             if found is None:
                 continue
             index = int(found.group(1))
-            _write_block(_one(cache), run.result.kv.keys[index, load.start : end],
-                         run.result.kv.values[index, load.start : end], slots, self._isa[name])
+            write_block(_one(cache), run.result.kv.keys[index, load.start : end],
+                        run.result.kv.values[index, load.start : end], slots, self._isa[name])
         self._runs[load.req_id] = (run, load.count)
         self.supplied_tokens += load.count
 
@@ -413,7 +413,7 @@ def _blocks_of(load: LoadRequest, block_size: int) -> set[int]:
     return set(load.block_ids[first : last + 1])
 
 
-def _write_block(cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, isa: str) -> None:
+def write_block(cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, isa: str) -> None:
     """Rotated keys and values [n, Hkv, D] into one layer's paged cache [blocks, Hkv, bs, 2D] at
     `slots`, with the op vLLM's CPU backend writes its own KV with."""
     num_blocks, kv_heads, block_size, _ = cache.size()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine_sidecar.bench.adapters import SystemLog, main, summarize
+from ragcache_lab.adapters import SystemLog, adapter_summary, main
 
 
 def test_summary_ratios_are_against_the_first_system():
     plain = SystemLog(ttft=[4.0, 2.0], followup_ttft=[2.0], hits=[0, 0], reused=[0, 0], answers=["a b", "c d"])
     cached = SystemLog(ttft=[2.0, 1.0], followup_ttft=[0.5], hits=[0, 2], reused=[0, 100], answers=["a b", "x y"])
-    out = summarize({"plain": plain, "cached": cached})
+    out = adapter_summary({"plain": plain, "cached": cached})
     assert out["plain"]["speedup_vs_plain"] == 1.0
     assert out["cached"]["speedup_vs_plain"] == pytest.approx(3.0 / 1.5)
     assert out["cached"]["followup_speedup_vs_plain"] == pytest.approx(4.0)

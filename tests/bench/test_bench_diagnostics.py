@@ -13,14 +13,15 @@ import threading
 import pytest
 import torch
 
-from engine_sidecar.bench.divergence import capture_last_hidden, full_pass, layer_divergence, prefill_hidden
-from engine_sidecar.bench.oracle_policy import OraclePolicy, kv_deviation
-from engine_sidecar.bench.policy_specs import fidelity_policy_list_arg, oracle_ratio
+from engine_sidecar.calibrate.reference import capture_last_hidden, full_pass, prefill_hidden
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import parse_policy
 from engine_sidecar.store.entry import ChunkKV
 from ragcache_integrations.types import ChunkedPrompt
+from ragcache_lab.divergence import layer_divergence
+from ragcache_lab.oracle_policy import OraclePolicy, kv_deviation
+from ragcache_lab.policy_specs import fidelity_policy_list_arg, oracle_ratio
 
 PASSAGES = [
     "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from engine_sidecar.bench.datasets import fanoutqa_records, load_dataset
+from engine_sidecar.calibrate.datasets import fanoutqa_records, load_dataset
 from engine_sidecar.errors import InvalidPromptError
 
 
@@ -73,7 +73,7 @@ def test_fidelity_bench_runs_every_policy_family_and_writes_table_json_and_plot(
 
 
 def test_task_accuracy_counts_answers_flipped_against_gold_by_hand():
-    from engine_sidecar.bench.fidelity import summarize
+    from ragcache_lab.fidelity import policy_summary
 
     def row(full: str, ours: str, gold: str) -> dict:
         return {"answers": [gold], "policies": {
@@ -84,7 +84,7 @@ def test_task_accuracy_counts_answers_flipped_against_gold_by_hand():
             row("thomas nabbes", "thomas nabbes", "Thomas Nabbes"),  # right both
             row("anthony hopkins", "bryan fuller", "Bryan Fuller"),  # wrong -> right
             row("nobody", "no one", "Mads Mikkelsen")]  # wrong both
-    summary = summarize(rows, ["full", "reuse"])
+    summary = policy_summary(rows, ["full", "reuse"])
     assert summary["reuse"]["flips"] == {"right_to_wrong": 1, "wrong_to_right": 1, "right_under_full": 2,
                                          "questions": 4}
     assert summary["full"]["flips"]["right_to_wrong"] == 0 and summary["full"]["f1_vs_full"] == 1.0
@@ -93,7 +93,7 @@ def test_task_accuracy_counts_answers_flipped_against_gold_by_hand():
 
 
 def test_stage_medians_by_hand():
-    from engine_sidecar.bench.fidelity import stage_medians, stage_table
+    from ragcache_lab.fidelity import stage_medians, stage_table
 
     entries = [{"stage_s": {"prefill_setup_s": 0.001, "prefill_dense_layers_s": 0.010}},
                {"stage_s": {"prefill_setup_s": 0.003}}, {"stage_s": {"prefill_setup_s": 0.002}}, {}]
@@ -106,7 +106,7 @@ def test_stage_medians_by_hand():
 
 
 def test_bootstrap_interval_brackets_the_mean_and_is_reproducible():
-    from engine_sidecar.bench.metrics import bootstrap_ci
+    from ragcache_lab.metrics import bootstrap_ci
 
     values = [0.0, 1.0, 0.5, 0.25, 0.75, 1.0, 0.0, 0.5]
     lo, hi = bootstrap_ci(values)
@@ -150,7 +150,7 @@ def _row(i: int, generated: bool) -> dict:
 
 
 def test_merge_partials_pools_runs_pairs_per_question_and_drops_text_of_mixed_runs(tmp_path):
-    from engine_sidecar.bench.fidelity import merge_partials
+    from ragcache_lab.fidelity import merge_partials
 
     first, second = tmp_path / "a.partial.jsonl", tmp_path / "b.partial.jsonl"
     first.write_text("".join(json.dumps(_row(i, True)) + "\n" for i in range(3)))
@@ -183,7 +183,7 @@ def test_merge_partials_pools_runs_pairs_per_question_and_drops_text_of_mixed_ru
 
 def test_neighbours_mode_warms_every_chunk_after_its_neighbours_and_pairs_with_a_precomputed_run(tiny_llama_dir,
                                                                                                  tmp_path):
-    from engine_sidecar.bench.paired_runs import main as pair_main
+    from ragcache_lab.paired_runs import main as pair_main
 
     args = ("--n", "3", "--k", "3", "--no-generate", "--policies", "full,reuse,cacheblend:0.15:temp1")
     nb = run_bench(tiny_llama_dir, tmp_path / "nb.json", *args, "--chunk-kv", "neighbours", "--neighbours", "1")

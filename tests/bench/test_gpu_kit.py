@@ -11,7 +11,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from engine_sidecar.bench.gpu_kit import SERVER_ROOTS, requirement_closure
+from ragcache_lab.gpu_kit import SERVER_ROOTS, requirement_closure
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def _kit(tmp_path: Path, smol_dir: Path) -> Path:
 
 def test_run_benchmarks_from_the_kit_and_links_the_kernels(smol_dir, tmp_path):
     kit, site, out = _kit(tmp_path, smol_dir), tmp_path / "site", tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "engine_sidecar.bench.gpu_kit", "run", "--kit", str(kit), "--site",
+    done = subprocess.run([sys.executable, "-m", "ragcache_lab.gpu_kit", "run", "--kit", str(kit), "--site",
                            str(site), "--out", str(out), "--", "--device", "cpu", "--quick", "--concurrency", "1",
                            "--http-clients", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -51,6 +51,6 @@ def test_run_benchmarks_from_the_kit_and_links_the_kernels(smol_dir, tmp_path):
 
 
 def test_run_without_a_packed_kit_says_how_to_make_one(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "engine_sidecar.bench.gpu_kit", "run", "--kit", str(tmp_path / "none"),
+    done = subprocess.run([sys.executable, "-m", "ragcache_lab.gpu_kit", "run", "--kit", str(tmp_path / "none"),
                            "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "make gpu-kit" in done.stderr and "Traceback" not in done.stderr

@@ -8,10 +8,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine_sidecar.bench.gpu import timed  # noqa: E402
-from engine_sidecar.bench.gpu_tiles import LAUNCHES, default_tile, tile_lines, tile_name, tile_sweep  # noqa: E402
 from ragcache_kernels import attention as reference  # noqa: E402
 from ragcache_kernels import triton_attention  # noqa: E402
+from ragcache_lab.gpu import timed  # noqa: E402
+from ragcache_lab.gpu_tiles import LAUNCHES, default_tile, tile_lines, tile_name, tile_sweep  # noqa: E402
 
 
 @pytest.mark.parametrize("tile", triton_attention.TILE_CANDIDATES, ids=tile_name)

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from engine_sidecar.bench.datasets import recut_records, recut_text
-from engine_sidecar.bench.fidelity import _plan_run
 from engine_sidecar.cli.main import build_parser
 from engine_sidecar.errors import InvalidPromptError
+from ragcache_lab.fidelity import plan_run
+from ragcache_lab.recut import recut_records, recut_text
 
 
 def long_passage_records(path, n: int = 3) -> list[dict]:
@@ -59,10 +59,10 @@ def test_the_fidelity_run_measures_the_re_cut_passages(tmp_path):
     original = long_passage_records(data)
     args = build_parser().parse_args(["bench", "fidelity", "--data", str(data), "--n", "2", "--k", "10",
                                       "--passage-words", "70", "--json", str(tmp_path / "r.json")])
-    plan = _plan_run(args)
+    plan = plan_run(args)
     assert len(plan.records) == 2
     for record, source in zip(plan.records, original[:2], strict=True):
         assert len(record["ctxs"]) == 24
         assert record["ctxs"][0]["text"] == recut_text(source["ctxs"][0]["text"], 70)[0]
-    plain = _plan_run(build_parser().parse_args(["bench", "fidelity", "--data", str(data), "--n", "2"]))
+    plain = plan_run(build_parser().parse_args(["bench", "fidelity", "--data", str(data), "--n", "2"]))
     assert plain.records == original[:2]

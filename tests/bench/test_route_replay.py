@@ -8,9 +8,9 @@ import json
 import subprocess
 import sys
 
-from engine_sidecar.bench.route_replay import ReplicaModel, replay
-from engine_sidecar.bench.stream import Request
 from engine_sidecar.cluster.routing import RouterParams
+from ragcache_lab.route_replay import ReplicaModel, replay
+from ragcache_lab.stream import Request
 
 
 def test_replica_model_is_an_lru_by_tokens():

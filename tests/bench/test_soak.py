@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from engine_sidecar.bench import soak
+from ragcache_lab import soak
 
 
 def test_a_short_soak_has_no_5xx_and_keeps_its_budgets(tiny_llama_dir, tmp_path):

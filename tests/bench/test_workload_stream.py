@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from engine_sidecar.bench.metrics import exact_match, rouge_l, token_f1
-from engine_sidecar.bench.stream import build_stream, load_corpus, overlap_fractions
-from engine_sidecar.bench.workload import SystemLog, summarize
+from engine_sidecar.calibrate.metrics import rouge_l
+from ragcache_lab.metrics import exact_match, token_f1
+from ragcache_lab.stream import build_stream, load_corpus, overlap_fractions
+from ragcache_lab.workload import SystemLog, workload_summary
 
 
 def test_overlap_fractions_separate_prefix_alignment_from_total_overlap():
@@ -30,7 +31,7 @@ def test_metrics_on_hand_computed_cases():
 def test_summary_fields_match_the_documented_json_shape():
     log = SystemLog(ttft=[1.0, 3.0], computed=[1.0, 0.5], hits=1, lookups=4, orders=[["a"], ["a"]],
                     answers=["x", "y"])
-    out = summarize({"full": log})
+    out = workload_summary({"full": log})
     assert set(out["full"]) >= {"ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "computed_fraction", "chunk_hit_ratio",
                                 "prefix_aligned_fraction", "total_overlap_fraction"}
     assert out["full"]["ttft_mean_s"] == 2.0 and out["full"]["chunk_hit_ratio"] == 0.25
@@ -60,7 +61,7 @@ def _records(n: int, per: int = 3) -> list[dict]:
 
 
 def test_document_stream_asks_new_questions_over_one_document_set(tmp_path, monkeypatch):
-    from engine_sidecar.bench.stream import build_document_stream
+    from ragcache_lab.stream import build_document_stream
 
     monkeypatch.setenv("RAGCACHE_HOME", str(tmp_path))
     path = tmp_path / "c.jsonl"  # JSONL reads like JSON
@@ -78,7 +79,7 @@ def test_document_stream_asks_new_questions_over_one_document_set(tmp_path, monk
 
 
 def test_per_document_stream_asks_each_question_of_one_document(tmp_path, monkeypatch):
-    from engine_sidecar.bench.stream import build_per_document_stream
+    from ragcache_lab.stream import build_per_document_stream
 
     monkeypatch.setenv("RAGCACHE_HOME", str(tmp_path))
     path = tmp_path / "c.json"
@@ -97,7 +98,7 @@ def test_per_document_stream_asks_each_question_of_one_document(tmp_path, monkey
 
 def test_summary_reports_cold_and_warm_phases():
     log = SystemLog(ttft=[4.0, 2.0, 1.0, 1.0], computed=[1.0, 1.0, 0.2, 0.4], orders=[["a"]] * 4, answers=["x"] * 4)
-    out = summarize({"fusion": log, "vllm-apc+reorder": SystemLog(ttft=[2.0] * 4, computed=[1.0] * 4,
+    out = workload_summary({"fusion": log, "vllm-apc+reorder": SystemLog(ttft=[2.0] * 4, computed=[1.0] * 4,
                                                                    orders=[["a"]] * 4, answers=["x"] * 4)}, cold=2)
     m = out["fusion"]
     assert m["cold_ttft_mean_s"] == 3.0 and m["warm_ttft_mean_s"] == 1.0 and m["ttft_mean_s"] == 2.0

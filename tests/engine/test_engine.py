@@ -9,7 +9,7 @@ import torch
 
 from engine_sidecar import Engine
 from engine_sidecar.errors import InvalidPromptError, PromptTooLongError
-from engine_sidecar.execution.executor import fused_prefill
+from engine_sidecar.execution.fused_prefill import fused_prefill
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import ReusePolicy
 from engine_sidecar.store.entry import ChunkKV

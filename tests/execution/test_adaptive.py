@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from engine_sidecar.bench.ratio_search import measure_costs
+from engine_sidecar.calibrate.ratio_search import measure_costs
 from engine_sidecar.execution.costs import CostMeter, golden_section_max, initial_ratio
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine_sidecar.execution.executor import kept_indices
+from engine_sidecar.execution.fused_prefill import kept_indices
 from engine_sidecar.execution.policies import CacheBlendPolicy, KeptRows, LayerView
 
 

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from engine_sidecar.bench.fidelity import agreement_and_kl, full_reference
-from engine_sidecar.bench.temperature import fit_temperature, parse_temperatures, with_temperature
+from engine_sidecar.calibrate.metrics import agreement_and_kl
+from engine_sidecar.calibrate.reference import full_reference
+from engine_sidecar.calibrate.temperature import fit_temperature, parse_temperatures, with_temperature
 from engine_sidecar.cli.main import main
 from engine_sidecar.errors import InvalidPromptError
 from ragcache_integrations import ChunkedPrompt

@@ -30,7 +30,7 @@ def tiny64(smol_dir, tmp_path_factory):
 
 
 def _sequences(runner, shapes, seed=0):
-    from engine_sidecar.execution.executor import KVBuffer
+    from engine_sidecar.execution.kv_buffer import KVBuffer
 
     gen = torch.Generator().manual_seed(seed)
     kvs = []
@@ -44,7 +44,7 @@ def _sequences(runner, shapes, seed=0):
 
 
 def _copies(kvs):
-    from engine_sidecar.execution.executor import KVBuffer
+    from engine_sidecar.execution.kv_buffer import KVBuffer
 
     return [KVBuffer(kv.keys_pre.clone(), kv.keys.clone(), kv.values.clone(), kv.length) for kv in kvs]
 
@@ -55,8 +55,8 @@ def test_fixed_step_equals_the_eager_step(tiny64, dtype, splits, monkeypatch):
     """Three sequences (bucket 4: one padded row) decode four steps; the middle one grows on the
     first step, the last starts at one row. Four key slices leave most slices of these short
     sequences empty."""
+    from engine_sidecar.execution.batched_decode import decode_batch
     from engine_sidecar.execution.decode_graphs import DecodeGraphs
-    from engine_sidecar.execution.executor import decode_batch
     from engine_sidecar.model.runner import ModelRunner
 
     monkeypatch.setenv("RAGCACHE_KERNELS", "triton")

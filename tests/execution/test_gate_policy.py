@@ -112,8 +112,8 @@ def test_threshold_above_one_always_escalates_to_prophets_selection(tiny_engine)
 
 
 def test_the_probe_is_invisible_to_the_benchs_per_layer_capture(tiny_engine):
-    from engine_sidecar.bench.divergence import capture_last_hidden
-    from engine_sidecar.execution.executor import fused_prefill
+    from engine_sidecar.calibrate.reference import capture_last_hidden
+    from engine_sidecar.execution.fused_prefill import fused_prefill
 
     tiny_engine.warm(PASSAGES)
     plan = _plan(tiny_engine, "reuse")
@@ -176,7 +176,7 @@ def test_fidelity_bench_reports_each_questions_decision_and_cost(tiny_llama_dir,
 
 
 def test_gate_summary_splits_the_cost_by_decision():
-    from engine_sidecar.bench.fidelity import gate_summary
+    from ragcache_lab.fidelity import gate_summary
 
     entries = [{"escalated": True, "margin": 0.1, "computed_fraction": 0.3},
                {"escalated": False, "margin": 0.9, "computed_fraction": 0.02},

@@ -135,11 +135,11 @@ def test_bench_prefetch_measures_both_modes_cold(tiny_llama_dir, tmp_path):
 
 
 def test_runs_merge_small_gaps():
-    from engine_sidecar.store.disk import _runs
+    from engine_sidecar.store.disk import row_runs
 
-    assert _runs(torch.tensor([0, 1, 2, 5, 6, 20]), max_gap=1) == [(0, 3), (5, 7), (20, 21)]
-    assert _runs(torch.tensor([0, 1, 2, 5, 6, 20]), max_gap=2) == [(0, 7), (20, 21)]
-    assert _runs(torch.tensor([], dtype=torch.long), max_gap=3) == []
+    assert row_runs(torch.tensor([0, 1, 2, 5, 6, 20]), max_gap=1) == [(0, 3), (5, 7), (20, 21)]
+    assert row_runs(torch.tensor([0, 1, 2, 5, 6, 20]), max_gap=2) == [(0, 7), (20, 21)]
+    assert row_runs(torch.tensor([], dtype=torch.long), max_gap=3) == []
 
 
 def test_sparse_rows_are_verified_and_scores_are_stored(tmp_path):

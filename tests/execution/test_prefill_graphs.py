@@ -106,14 +106,14 @@ def _fused_plan(runner, tokens, seed=0):
     order at new positions, and a fresh question."""
     from engine_sidecar.execution import kernel_warmup
 
-    ids = kernel_warmup._ids(tokens, runner.config.vocab_size, seed)
-    return kernel_warmup._fused_plan(ids, kernel_warmup._full(runner, ids))
+    ids = kernel_warmup.made_up_ids(tokens, runner.config.vocab_size, seed)
+    return kernel_warmup.fused_plan(ids, kernel_warmup.full_kv(runner, ids))
 
 
 def _sentinel_buffers(runner):
     """`allocate` for fused_prefill: buffers whose every row starts as 7, so a test sees which
     rows a prefill wrote."""
-    from engine_sidecar.execution.executor import KVBuffer
+    from engine_sidecar.execution.kv_buffer import KVBuffer
 
     def allocate(rows):
         kv = KVBuffer.allocate(runner, rows)
@@ -125,7 +125,7 @@ def _sentinel_buffers(runner):
 
 
 def _prefill(runner, plan, policy, graphs=None):
-    from engine_sidecar.execution.executor import fused_prefill
+    from engine_sidecar.execution.fused_prefill import fused_prefill
 
     return fused_prefill(runner, plan, policy, capacity=plan.num_tokens + 6, allocate=_sentinel_buffers(runner),
                          graphs=graphs)

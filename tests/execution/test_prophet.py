@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.execution.executor import fused_prefill
+from engine_sidecar.execution.fused_prefill import fused_prefill
 from engine_sidecar.execution.policies import ProphetPolicy, ReusePolicy, parse_policy, span_masks
 from engine_sidecar.execution.prophet import (
     attention_scores,
@@ -235,7 +235,7 @@ def test_api_accepts_the_grammar(tiny_engine, policy):
 def test_the_probe_is_invisible_to_the_benchs_per_layer_capture(tiny_engine):
     """bench fidelity reads the prefill's per-layer hidden states and TTFT stamps by wrapping
     `runner.mlp` on the instance: the probe must not add rows to it."""
-    from engine_sidecar.bench.divergence import capture_last_hidden
+    from engine_sidecar.calibrate.reference import capture_last_hidden
 
     tiny_engine.warm(PASSAGES)
     plan = plan_of(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.execution.executor import fused_prefill, temper_stale_rows
+from engine_sidecar.execution.fused_prefill import fused_prefill
+from engine_sidecar.execution.fused_temperature import temper_stale_rows
 from engine_sidecar.execution.policies import parse_policy
 from ragcache_integrations import ChunkedPrompt
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec

@@ -20,7 +20,7 @@ from llama_index.core.base.llms.types import ChatMessage
 from ragcache_integrations.client import APITimeoutError, AsyncRagCacheClient, RagCacheClient, RateLimitError
 from ragcache_integrations.langchain import ChunkCachedChatModel, ChunkCachedRunnable
 from ragcache_integrations.llama_index import ChunkCachedLLM
-from tests.integrations.test_client import Scripted, _error
+from tests.integrations.test_client import Scripted, error_reply
 from tests.server.test_server_process import ServerProcess
 
 TIMEOUT = 2.0
@@ -206,7 +206,7 @@ def test_a_stream_that_goes_quiet_ends_at_the_deadline(mode):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_retries_never_wait_past_the_deadline(mode):
     # each refusal asks for a retry in 5 s, past the 1.5 s deadline: the refusal is the answer now
-    busy = _error(429, "the engine queue is full", **{"retry-after": "5"})
+    busy = error_reply(429, "the engine queue is full", **{"retry-after": "5"})
     with Scripted([busy] * 4) as peer:
         start = time.monotonic()
         with pytest.raises(RateLimitError, match="queue is full"):

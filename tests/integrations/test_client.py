@@ -36,7 +36,7 @@ def _json(status: int, body: object, **headers: str) -> Reply:
     return status, {"content-type": "application/json", **headers}, json.dumps(body).encode()
 
 
-def _error(status: int, message: str, field: str | None = None, **headers: str) -> Reply:
+def error_reply(status: int, message: str, field: str | None = None, **headers: str) -> Reply:
     return _json(status, {"error": {"message": message, "type": "x", "field": field, "code": "c"}}, **headers)
 
 
@@ -122,24 +122,25 @@ def test_a_404_from_another_server_asks_whether_it_is_a_sidecar():
 
 
 def test_429_and_503_are_retried_after_retry_after():
-    with Scripted([_error(429, "full", **{"retry-after": "0"}), _error(503, "busy"), _json(200, HEALTH)]) as peer:
+    with Scripted([error_reply(429, "full", **{"retry-after": "0"}), error_reply(503, "busy"),
+                   _json(200, HEALTH)]) as peer:
         assert RagCacheClient(peer.base, retries=3, backoff_s=0.01).health().status == "ok"
         assert len(peer.requests) == 3
 
 
 def test_429_past_the_retries_is_a_rate_limit_error():
-    with Scripted([_error(429, "queue full", **{"retry-after": "0"})] * 3) as peer:
+    with Scripted([error_reply(429, "queue full", **{"retry-after": "0"})] * 3) as peer:
         with pytest.raises(RateLimitError, match="queue full") as info:
             RagCacheClient(peer.base, retries=2, backoff_s=0.01).health()
         assert info.value.status == 429 and len(peer.requests) == 3
 
 
 @pytest.mark.parametrize("reply,kind,status,field", [
-    (_error(422, "sampling.max_tokens: too big", "sampling.max_tokens"), InvalidRequestError, 422,
+    (error_reply(422, "sampling.max_tokens: too big", "sampling.max_tokens"), InvalidRequestError, 422,
      "sampling.max_tokens"),
-    (_error(413, "limit is 6", "prompt.chunks"), InvalidRequestError, 413, "prompt.chunks"),
-    (_error(401, "wrong key", "authorization"), AuthenticationError, 401, "authorization"),
-    (_error(504, "too slow"), ServerError, 504, None),
+    (error_reply(413, "limit is 6", "prompt.chunks"), InvalidRequestError, 413, "prompt.chunks"),
+    (error_reply(401, "wrong key", "authorization"), AuthenticationError, 401, "authorization"),
+    (error_reply(504, "too slow"), ServerError, 504, None),
     ((502, {"content-type": "text/html"}, b"<h1>Bad gateway</h1>"), ServerError, 502, None),
 ])
 def test_errors_are_typed_and_carry_the_servers_message(reply, kind, status, field):
@@ -218,8 +219,8 @@ def test_stream_chat_assembles_text_stats_and_usage_and_raises_stream_errors():
 
 def test_async_client_retries_and_maps_errors_the_same_way():
     async def run() -> None:
-        with Scripted([_error(429, "full", **{"retry-after": "0"}), _json(200, HEALTH),
-                       _error(422, "bad", "policy")]) as peer:
+        with Scripted([error_reply(429, "full", **{"retry-after": "0"}), _json(200, HEALTH),
+                       error_reply(422, "bad", "policy")]) as peer:
             async with AsyncRagCacheClient(peer.base, retries=2, backoff_s=0.01) as client:
                 assert (await client.health()).status == "ok"
                 with pytest.raises(InvalidRequestError) as info:

@@ -102,6 +102,7 @@ def test_unknown_policy_message_lists_exactly_the_registry_forms():
 def test_cli_help_lists_exactly_the_registry_policies(capsys):
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    commands["bench"].add_pending_commands()  # the lab's subcommands, otherwise added when `bench` is parsed
     helps = {"generate": commands["generate"], "demo": commands["demo"],
              "bench prefetch": commands["bench"]._subparsers._group_actions[0].choices["prefetch"]}
     for where, sub in helps.items():

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragcache_kernels.attention import _is_long_suffix, causal_groups, position_mask, selective_attention
+from ragcache_kernels.attention import causal_groups, is_long_suffix, position_mask, selective_attention
 
 
 def masked_reference(q, k, v, query_pos, key_pos):
@@ -24,7 +24,7 @@ def test_long_suffix_queries_equal_the_masked_computation(num_keys, prefix, head
     q = torch.randn(num_keys - prefix, heads, 64, dtype=dtype)
     k, v = (torch.randn(num_keys, kv_heads, 64, dtype=dtype) for _ in range(2))
     query_pos, key_pos = torch.arange(prefix, num_keys), torch.arange(num_keys)
-    assert _is_long_suffix(query_pos, key_pos)
+    assert is_long_suffix(query_pos, key_pos)
     got = selective_attention(q, k, v, query_pos, key_pos)
     want = masked_reference(q, k, v, query_pos, key_pos)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -37,7 +37,7 @@ def test_long_suffix_queries_equal_the_masked_computation(num_keys, prefix, head
     (torch.arange(2, 9), 10),                        # does not end at the last key
 ])
 def test_other_query_sets_keep_the_explicit_mask(query_pos, num_keys):
-    assert not _is_long_suffix(query_pos, torch.arange(num_keys))
+    assert not is_long_suffix(query_pos, torch.arange(num_keys))
 
 
 @pytest.mark.parametrize("num_keys, picks, heads, kv_heads", [(300, 150, 4, 4), (700, 260, 9, 3)])

@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_sidecar.execution.executor import _decode_attention, decode_batch, fused_prefill
+from engine_sidecar.execution.batched_decode import decode_batch
+from engine_sidecar.execution.fused_prefill import fused_prefill
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import FullPolicy
 from engine_sidecar.model.runner import ModelRunner
 from ragcache_kernels import cpu_native, dispatch
-from ragcache_kernels.attention import position_mask, selective_attention
+from ragcache_kernels.attention import position_mask, selective_attention, single_query_attention
 from tests.conftest import make_tiny_model
 
 NO_AMX = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})
@@ -142,7 +143,7 @@ def test_decode_matches_the_fp32_reference_as_closely_as_the_torch_path(lengths)
     for i, n in enumerate(lengths):
         exact = _reference(q[i : i + 1].float(), keys[i].float(), values[i].float(), torch.tensor([n]),
                            torch.arange(n))[0].reshape(-1)
-        torch_error = (_decode_attention(q[i], keys[i], values[i], None).float() - exact).abs().max().item()
+        torch_error = (single_query_attention(q[i], keys[i], values[i], None).float() - exact).abs().max().item()
         assert (out[i].float() - exact).abs().max().item() <= torch_error + 1e-3
 
 
@@ -161,7 +162,7 @@ def test_decode_serves_every_head_group_and_head_size(heads, kv_heads, dim):
     for i, n in enumerate(lengths):
         exact = _reference(q[i : i + 1].float(), keys[i].float(), values[i].float(), torch.tensor([n]),
                            torch.arange(n))[0].reshape(-1)
-        torch_error = (_decode_attention(q[i], keys[i], values[i], None).float() - exact).abs().max().item()
+        torch_error = (single_query_attention(q[i], keys[i], values[i], None).float() - exact).abs().max().item()
         assert (out[i].float() - exact).abs().max().item() <= torch_error + 1e-3
 
 

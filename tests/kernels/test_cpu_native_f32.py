@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_sidecar.execution.executor import _decode_attention, decode_batch, fused_prefill
+from engine_sidecar.execution.batched_decode import decode_batch
+from engine_sidecar.execution.fused_prefill import fused_prefill
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import FullPolicy
 from engine_sidecar.model.runner import ModelRunner
 from ragcache_kernels import cpu_native, dispatch
-from ragcache_kernels.attention import selective_attention
+from ragcache_kernels.attention import selective_attention, single_query_attention
 from tests.conftest import make_tiny_model
 from tests.kernels.kernel_cases import dense_attention
 
@@ -155,7 +156,7 @@ def test_decode_matches_the_reference_and_the_torch_path(lengths):
     for i, n in enumerate(lengths):
         exact = _reference(q[i : i + 1], keys[i], values[i], torch.tensor([n]), torch.arange(n))[0].reshape(-1)
         assert (out[i] - exact).abs().max().item() <= TOL
-        assert (out[i] - _decode_attention(q[i], keys[i], values[i], None)).abs().max().item() <= TOL
+        assert (out[i] - single_query_attention(q[i], keys[i], values[i], None)).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 8, 32), (8, 2, 128), (10, 2, 96), (16, 2, 64),

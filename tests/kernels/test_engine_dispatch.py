@@ -58,7 +58,8 @@ def test_batched_decode_with_triton_kernels_equals_torch(tiny64, dtype, monkeypa
     path (rows appended and attended in one launch each per layer) gives the torch path's logits
     and writes the same KV rows (equal up to the rounding that attention's summation order leaves
     in the hidden states of the steps before)."""
-    from engine_sidecar.execution.executor import KVBuffer, decode_batch
+    from engine_sidecar.execution.batched_decode import decode_batch
+    from engine_sidecar.execution.kv_buffer import KVBuffer
     from engine_sidecar.model.runner import ModelRunner
     from ragcache_kernels import dispatch
 

@@ -159,7 +159,7 @@ def test_bad_batches_are_refused() -> None:
 def test_bench_gpu_compares_batched_decode_with_per_sequence() -> None:
     """`ragcache bench gpu`'s decode-layer row, on the interpreter with its quick shape: both
     paths agree and the report's table shows the row."""
-    from engine_sidecar.bench import gpu
+    from ragcache_lab import gpu
 
     rows = gpu.batched_decode_bench(torch.device("cpu"), quick=True)
     assert [r["sequences"] for r in rows] == [1, 4]

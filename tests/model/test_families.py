@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from engine_sidecar.errors import UnsupportedModelError
 from engine_sidecar.execution import kernel_warmup
-from engine_sidecar.execution.executor import decode_batch, decode_step, fused_prefill
+from engine_sidecar.execution.batched_decode import decode_batch, decode_step
+from engine_sidecar.execution.fused_prefill import fused_prefill
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import CacheBlendPolicy, FullPolicy, ReusePolicy
 from engine_sidecar.execution.prophet import probe
@@ -83,8 +84,8 @@ def test_ratio_one_equals_full_prefill_and_reuse_differs(family_dir):
     ratio 1.0 recomputes them all (through every window and RoPE table) and equals full prefill of
     the same tokens; plain reuse does not."""
     runner = ModelRunner.load(family_dir, device="cpu", dtype="float32")
-    ids = kernel_warmup._ids(64, runner.config.vocab_size, 3)
-    plan = kernel_warmup._fused_plan(ids, kernel_warmup._full(runner, ids))
+    ids = kernel_warmup.made_up_ids(64, runner.config.vocab_size, 3)
+    plan = kernel_warmup.fused_plan(ids, kernel_warmup.full_kv(runner, ids))
     full = _full(runner, list(plan.token_ids))
     one = fused_prefill(runner, plan, CacheBlendPolicy(1.0), capacity=plan.num_tokens + 1)
     assert (one.logits - full.logits).abs().max().item() <= 1e-4
@@ -132,8 +133,8 @@ def test_sliding_layers_of_a_fused_prompt_see_only_their_window(tmp_path):
     """Under reuse, a sliding layer's queries never read a cached chunk's keys outside the window:
     zeroing those keys on the sliding layers changes nothing, on a global layer it does."""
     runner = ModelRunner.load(make_family_model(tmp_path, "gemma3_text"), device="cpu", dtype="float32")
-    ids = kernel_warmup._ids(64, runner.config.vocab_size, 3)
-    plan = kernel_warmup._fused_plan(ids, kernel_warmup._full(runner, ids))
+    ids = kernel_warmup.made_up_ids(64, runner.config.vocab_size, 3)
+    plan = kernel_warmup.fused_plan(ids, kernel_warmup.full_kv(runner, ids))
     base = fused_prefill(runner, plan, ReusePolicy(), capacity=plan.num_tokens + 1).logits
     first = plan.spans[0]
     assert first.cached is not None and first.end < plan.num_tokens - 8  # out of the question's window
@@ -167,8 +168,8 @@ def test_one_layer_implementation_serves_prefill_decode_graphs_and_probe(tmp_pat
             return super().mlp(hidden)
 
     runner.layers[1] = Observed()
-    ids = kernel_warmup._ids(48, runner.config.vocab_size, 1)
-    plan = kernel_warmup._fused_plan(ids, kernel_warmup._full(runner, ids))
+    ids = kernel_warmup.made_up_ids(48, runner.config.vocab_size, 1)
+    plan = kernel_warmup.fused_plan(ids, kernel_warmup.full_kv(runner, ids))
     for name, run in (
         ("prefill", lambda: fused_prefill(runner, plan, ReusePolicy(), capacity=plan.num_tokens + 2)),
         ("decode", lambda: decode_batch(runner, [_full(runner, list(ids)).kv], [5])),

@@ -80,7 +80,8 @@ def test_smollm2_prefill_logits_match_transformers(smol_dir, smol_pair):
 
 
 def test_smollm2_greedy_decode_matches_transformers(smol_dir, smol_pair):
-    from engine_sidecar.execution.executor import decode_step, fused_prefill
+    from engine_sidecar.execution.batched_decode import decode_step
+    from engine_sidecar.execution.fused_prefill import fused_prefill
     from engine_sidecar.execution.plan import FusionPlan, PlanSpan
     from engine_sidecar.execution.policies import FullPolicy
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE_DIRS = ("engine_sidecar", "ragcache_integrations", "kernels", "examples")
+SOURCE_DIRS = ("engine_sidecar", "ragcache_integrations", "kernels", "examples", "ragcache_lab")
 MAX_LINES = 80
 
 # "path::qualname" -> why it may stay longer than MAX_LINES. An entry must still be too long:
@@ -123,4 +123,6 @@ def test_tests_mirror_the_packages():
     folders = {p.parent.relative_to(tests).parts[0] for p in tests.rglob("test_*.py")}
     assert folders <= TEST_FOLDERS, folders - TEST_FOLDERS
     sources = {p.name for p in (ROOT / "engine_sidecar").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert (TEST_FOLDERS - sources) == {"config", "kernels", "integrations", "examples", "properties", "project"}
+    # bench: the benchmark lab's tests (ragcache_lab/, beside engine_sidecar/)
+    assert (TEST_FOLDERS - sources) == {"bench", "config", "kernels", "integrations", "examples", "properties",
+                                        "project"}

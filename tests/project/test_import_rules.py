@@ -1,16 +1,20 @@
-"""The dependency rule, checked on the source: first-party modules form no import cycle (lazy and
-type-only imports count), nobody imports another module's private names, the adapters never
-import the engine (so they install and import without torch), and the engine's stages take
-only the wire types from the adapter package."""
+"""The dependency rule, checked on the source: first-party modules (the benchmark lab's too) form
+no import cycle (lazy and type-only imports count), nobody imports another module's private names,
+the adapters never import the engine (so they install and import without torch), the engine's
+stages take only the wire types from the adapter package, and the product never imports the
+benchmark lab (which is not in the wheel): the lab builds on the product, not the reverse."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine_sidecar", "ragcache_integrations")
-TOOLS = ("engine_sidecar.bench", "engine_sidecar.cli", "engine_sidecar.server", "engine_sidecar.engine_args")
+PACKAGES = ("engine_sidecar", "ragcache_integrations", "ragcache_lab")
+PRODUCT = ("engine_sidecar", "ragcache_integrations")
+LAB = "ragcache_lab"
+TOOLS = ("engine_sidecar.calibrate", "engine_sidecar.cli", "engine_sidecar.server", "engine_sidecar.engine_args")
 # The request's stages, lowest first: a module imports only from its own layer or one below (lazy
 # and type-only imports count). docs/architecture.md walks a request through them in this order.
 LAYERS = (
@@ -25,7 +29,7 @@ LAYERS = (
     ("engine_sidecar.server",),
     ("engine_sidecar.vllm_backend",),
     ("engine_sidecar.cluster",),
-    ("engine_sidecar.bench",),
+    ("engine_sidecar.calibrate",),
     ("engine_sidecar.cli",),
 )
 WIRE_TYPES = {"ragcache_integrations", "ragcache_integrations.types", "ragcache_integrations.api_models",
@@ -121,6 +125,27 @@ def test_adapters_never_import_the_engine():
     offenders = sorted(n for n, deps in graph.items() if n.startswith("ragcache_integrations")
                        and any(d.startswith("engine_sidecar") for d in deps))
     assert offenders == []
+
+
+def test_the_product_never_imports_the_lab():
+    graph = _graph()
+    offenders = sorted(f"{n} -> {d}" for n, deps in graph.items() if n.startswith(PRODUCT)
+                       for d in deps if d == LAB or d.startswith(LAB + "."))
+    assert offenders == []
+    # `ragcache bench` loads the lab by its module name (no import statement), from the checkout,
+    # in exactly one module; elsewhere only the folder may be named (`ragcache_lab/`, in help text)
+    by_name = re.compile(rf"\b{LAB}\b(?!/)")
+    naming = sorted(path.relative_to(ROOT).as_posix() for package in PRODUCT for path in (ROOT / package).rglob("*.py")
+                    if by_name.search(path.read_text(encoding="utf-8")))
+    assert naming == ["engine_sidecar/cli/lab.py"]
+
+
+def test_the_lab_builds_on_the_product():
+    """The other direction is the point: what the product's commands need lives in the product, and
+    the lab reuses it rather than keeping its own copy."""
+    graph = _graph()
+    assert "engine_sidecar.calibrate.reference" in graph["ragcache_lab.fidelity"]
+    assert "engine_sidecar.calibrate.metrics" in graph["ragcache_lab.fidelity"]
 
 
 def test_engine_stages_take_only_wire_types_from_the_adapter_package():

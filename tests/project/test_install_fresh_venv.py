@@ -69,7 +69,9 @@ def test_each_extra_installs_alone_and_runs_what_it_is_for(tmp_path):
     venv.pip_install(str(src))
     assert venv.version_of("torch") == "", "the base install pulled torch"
     assert venv.python("from ragcache_integrations.client import RagCacheClient").returncode == 0
-    done = venv.run(str(venv.bin / "ragcache"), "--help")
+    done = venv.run(str(venv.bin / "ragcache"), "--help")  # the help needs no engine
+    assert done.returncode == 0 and "generate" in done.stdout, done.stderr
+    done = venv.run(str(venv.bin / "ragcache"), "generate", "q", "--chunk", "a passage")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "pip install 'ragcache[engine]'" in done.stderr
     done = venv.python("import ragcache_integrations.llama_index")

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from engine_sidecar.bench.vllm_peer import find_vllm_python
+from engine_sidecar.vllm_backend.launch import find_vllm_python
 from engine_sidecar.vllm_backend.params import (
     PARAMS_KEY,
     chunks_end,

@@ -29,7 +29,7 @@ def layout_roundtrip() -> dict:
     import torch
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from engine_sidecar.vllm_backend.connector import CacheLayout, _write_block
+    from engine_sidecar.vllm_backend.connector import CacheLayout, write_block
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -37,7 +37,7 @@ def layout_roundtrip() -> dict:
         cache = torch.zeros(4, 3, 128, 128, dtype=dtype)
         slots = torch.tensor([5, 130, 131, 300, 511, 0])
         keys, values = torch.randn(6, 3, 64).to(dtype), torch.randn(6, 3, 64).to(dtype)
-        _write_block(cache, keys, values, slots, isa)
+        write_block(cache, keys, values, slots, isa)
         read_k, read_v = CacheLayout(3, 128, 64, dtype, isa).read(cache, slots)
         out[str(dtype)] = {"isa": isa, "equal": bool(torch.equal(read_k, keys) and torch.equal(read_v, values))}
     return out

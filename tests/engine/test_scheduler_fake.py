@@ -1,0 +1,326 @@
+"""The scheduler on its own, with no model: fake prefill/completion steps and a fake batched
+decode step, written here, drive real Sequences through the real stepping thread.
+
+Nothing here waits on a clock: a step that must stay in progress blocks on an Event the test
+sets, and every wait for an answer has a generous timeout, so a scheduler that never answers
+fails the test instead of hanging it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine_sidecar.engine.scheduler import Scheduler, SchedulerClosed
+from engine_sidecar.engine.sequence import Sequence
+from engine_sidecar.errors import NonFiniteLogitsError
+from engine_sidecar.execution.policies import parse_policy
+from ragcache_integrations.types import GenerationResult, GenerationStats, SamplingParams
+
+VOCAB = 64
+EOS = 0
+WAIT_S = 60.0  # generous: only a broken scheduler gets anywhere near it
+
+
+def one_hot(token: int) -> torch.Tensor:
+    """Logits whose greedy choice is `token`."""
+    row = torch.full((VOCAB,), -1.0)
+    row[token] = 1.0
+    return row
+
+
+def spell(ids: list[int]) -> str:
+    return "".join(f"<{i}>" for i in ids)
+
+
+class FakeKV:
+    """What the scheduler reads of a KV buffer: the rows it reserves."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+
+
+class FakeSteps:
+    """Prefill and completion without a model: a sequence's first token is the one `first` names
+    for it. Sequences named in `gated` wait in their prefill (`entered` says one does) until
+    `gate` is set; those in `fail_begin` / `fail_complete` raise there; `on_release` is handed
+    to each sequence as its KV pool would be."""
+
+    def __init__(self, first: dict[str, int], gated: frozenset[str] = frozenset(),
+                 fail_begin: frozenset[str] = frozenset(), fail_complete: frozenset[str] = frozenset(),
+                 on_release=None):
+        self.first, self.gated = first, gated
+        self.fail_begin, self.fail_complete, self.on_release = fail_begin, fail_complete, on_release
+        self.gate = threading.Event()
+        self.entered = threading.Event()  # a gated sequence's prefill is in progress
+        self.begun: list[str] = []
+        self.completed: list[str] = []
+        self.threads: set[threading.Thread] = set()
+
+    def begin(self, seq: Sequence) -> bool:
+        self.threads.add(threading.current_thread())
+        self.begun.append(seq.tenant)
+        if seq.tenant in self.gated:
+            self.entered.set()
+            if not self.gate.wait(WAIT_S):
+                raise AssertionError("the test never opened the gate")
+        if seq.tenant in self.fail_begin:
+            raise ValueError(f"bad prompt {seq.tenant}")
+        seq.on_release = self.on_release
+        return seq.begin_decoding(one_hot(self.first[seq.tenant]), FakeKV(seq.reserved_tokens),  # type: ignore[arg-type]
+                                  GenerationStats(), spell, {EOS})
+
+    def complete(self, seq: Sequence) -> None:
+        self.completed.append(seq.tenant)
+        if seq.tenant in self.fail_complete:
+            raise OSError(f"could not keep {seq.tenant}'s conversation")
+        seq.finish()
+
+
+class CountingDecode:
+    """A batched decode step without a model: each sequence's next token is the one it was fed
+    plus one; a fed token in `poisoned` gets a row of NaN (that sequence's logits broke). With
+    `fail_next` the next step raises instead (the whole step broke)."""
+
+    def __init__(self, poisoned: frozenset[int] = frozenset()):
+        self.poisoned = poisoned
+        self.fail_next = False
+        self.batches: list[list[int]] = []
+
+    def __call__(self, kvs: list, tokens: list[int]) -> torch.Tensor:
+        assert len(kvs) == len(tokens) and all(isinstance(kv, FakeKV) for kv in kvs)
+        self.batches.append(list(tokens))
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("device lost")
+        return torch.stack([torch.full((VOCAB,), float("nan")) if t in self.poisoned else one_hot(t + 1)
+                            for t in tokens])
+
+
+def sequence(name: str, max_tokens: int = 3) -> Sequence:
+    return Sequence(SamplingParams(max_tokens=max_tokens), parse_policy("full"), name, None, None, prompt_tokens=4,
+                    t0=0.0)
+
+
+def outcome(seq: Sequence) -> tuple[list[str], GenerationResult | BaseException]:
+    """The text deltas a sequence emitted, then its result or the error it ended with (the
+    queue's timeout raises queue.Empty if the scheduler never says)."""
+    deltas: list[str] = []
+    while True:
+        item = seq.outbox.get(timeout=WAIT_S)
+        if isinstance(item, GenerationResult | BaseException):
+            return deltas, item
+        deltas.append(item)
+
+
+def result(seq: Sequence) -> GenerationResult:
+    got = outcome(seq)[1]
+    assert isinstance(got, GenerationResult), got
+    return got
+
+
+def error(seq: Sequence) -> BaseException:
+    got = outcome(seq)[1]
+    assert isinstance(got, BaseException), got
+    return got
+
+
+@pytest.fixture
+def make_scheduler() -> Iterator:
+    made: list[Scheduler] = []
+
+    def make(steps: FakeSteps, decode: CountingDecode, max_batch: int = 4, kv_budget: int = 1000) -> Scheduler:
+        scheduler = Scheduler(decode, threading.RLock(), steps, max_batch, kv_budget)
+        made.append(scheduler)
+        return scheduler
+
+    yield make
+    for scheduler in made:
+        scheduler.close()
+
+
+def test_requests_are_admitted_in_arrival_order_and_decoded_together(make_scheduler):
+    """Four requests arrive while the first one's prefill is in progress: each is prefilled in
+    turn, oldest first, then one decode step serves all four, and each gets its own tokens."""
+    names = ["a", "b", "c", "d"]
+    steps = FakeSteps({"a": 10, "b": 20, "c": 30, "d": 40}, gated=frozenset({"a"}))
+    decode = CountingDecode()
+    scheduler = make_scheduler(steps, decode)
+    seqs = [sequence(n) for n in names]
+    for seq in seqs:
+        scheduler.submit(seq)
+    steps.gate.set()
+    results = [outcome(seq) for seq in seqs]
+    assert steps.begun == names
+    for (deltas, got), first in zip(results, (10, 20, 30, 40), strict=True):
+        assert isinstance(got, GenerationResult)
+        assert got.token_ids == [first, first + 1, first + 2]
+        assert got.finish_reason == "length"
+        assert deltas == [f"<{first}>", f"<{first + 1}>", f"<{first + 2}>"]
+        assert got.text == "".join(deltas)
+    assert steps.completed == names
+    assert decode.batches == [[10, 20, 30, 40], [11, 21, 31, 41]]  # the tokens each step fed back
+    assert (scheduler.steps_prefill, scheduler.steps_decode, scheduler.peak_batch) == (4, 2, 4)
+    scheduler.close()  # the last step clears the running set after posting the results
+    assert scheduler.running == 0 and scheduler.waiting == 0 and scheduler.failure is None
+
+
+def test_max_batch_bounds_the_running_set(make_scheduler):
+    """With room for two, the third request waits until the first two finished."""
+    steps = FakeSteps({"a": 10, "b": 20, "c": 30}, gated=frozenset({"a"}))
+    decode = CountingDecode()
+    scheduler = make_scheduler(steps, decode, max_batch=2)
+    seqs = [sequence(n, max_tokens=2) for n in "abc"]
+    for seq in seqs:
+        scheduler.submit(seq)
+    steps.gate.set()
+    assert [result(seq).token_ids for seq in seqs] == [[10, 11], [20, 21], [30, 31]]
+    assert decode.batches == [[10, 20], [30]]
+    assert steps.begun == ["a", "b", "c"] and scheduler.peak_batch == 2
+
+
+def test_the_kv_budget_admits_a_large_request_only_alone(make_scheduler):
+    """A request whose reserved rows do not fit beside the running ones waits for them to end;
+    a request larger than the whole budget still runs, alone."""
+    steps = FakeSteps({"a": 10, "b": 20}, gated=frozenset({"a"}))
+    decode = CountingDecode()
+    scheduler = make_scheduler(steps, decode, kv_budget=10)  # a reserves 4 + 2 + 1 rows, b 4 + 9 + 1
+    a, b = sequence("a", max_tokens=2), sequence("b", max_tokens=9)
+    scheduler.submit(a)
+    scheduler.submit(b)
+    steps.gate.set()
+    assert result(a).token_ids == [10, 11]
+    assert result(b).token_ids == list(range(20, 29))
+    assert decode.batches[0] == [10]  # b was not admitted beside a
+    assert scheduler.peak_batch == 1
+
+
+def test_a_failing_prefill_fails_only_its_request_and_serving_goes_on(make_scheduler):
+    steps = FakeSteps({"a": 10, "b": 20, "c": 30, "d": 40}, gated=frozenset({"a"}), fail_begin=frozenset({"b"}))
+    scheduler = make_scheduler(steps, CountingDecode())
+    a, b, c = (sequence(n) for n in "abc")
+    for seq in (a, b, c):
+        scheduler.submit(seq)
+    steps.gate.set()
+    deltas, got = outcome(b)
+    assert deltas == [] and isinstance(got, ValueError) and str(got) == "bad prompt b"
+    assert result(a).token_ids == [10, 11, 12]
+    assert result(c).token_ids == [30, 31, 32]
+    assert "b" not in steps.completed and scheduler.failure is None
+    d = sequence("d")  # the stepping thread still serves new requests
+    scheduler.submit(d)
+    assert result(d).token_ids == [40, 41, 42]
+
+
+def test_a_failing_completion_fails_only_its_request(make_scheduler):
+    """An error after the last token (keeping its conversation) reaches that request, after the
+    text it already streamed; the request beside it completes."""
+    steps = FakeSteps({"a": 10, "b": 20}, gated=frozenset({"a"}), fail_complete=frozenset({"b"}))
+    scheduler = make_scheduler(steps, CountingDecode())
+    a, b = sequence("a", max_tokens=2), sequence("b", max_tokens=2)
+    scheduler.submit(a)
+    scheduler.submit(b)
+    steps.gate.set()
+    deltas, got = outcome(b)
+    assert deltas == ["<20>", "<21>"]
+    assert isinstance(got, OSError) and "b's conversation" in str(got)
+    assert result(a).token_ids == [10, 11]
+    scheduler.close()  # the step that failed b lets go of b's KV after posting the error
+    assert b.kv is None and scheduler.failure is None
+
+
+def test_non_finite_logits_fail_only_their_sequence(make_scheduler):
+    """One sequence's broken logits in a batched step fail that sequence; the others keep
+    decoding in the next steps."""
+    steps = FakeSteps({"a": 10, "b": 20, "c": 30}, gated=frozenset({"a"}))
+    decode = CountingDecode(poisoned=frozenset({21}))
+    scheduler = make_scheduler(steps, decode)
+    a, b, c = (sequence(n) for n in "abc")
+    for seq in (a, b, c):
+        scheduler.submit(seq)
+    steps.gate.set()
+    deltas, got = outcome(b)
+    assert deltas == ["<20>", "<21>"] and isinstance(got, NonFiniteLogitsError)
+    assert result(a).token_ids == [10, 11, 12]
+    assert result(c).token_ids == [30, 31, 32]
+    assert decode.batches == [[10, 20, 30], [11, 21, 31]]
+
+
+def test_a_failing_decode_step_fails_its_batch_and_serving_goes_on(make_scheduler):
+    steps = FakeSteps({"a": 10, "b": 20, "c": 30}, gated=frozenset({"a"}))
+    decode = CountingDecode()
+    decode.fail_next = True
+    scheduler = make_scheduler(steps, decode)
+    a, b = sequence("a"), sequence("b")
+    scheduler.submit(a)
+    scheduler.submit(b)
+    steps.gate.set()
+    got_a, got_b = error(a), error(b)
+    assert got_a is got_b and isinstance(got_a, RuntimeError) and str(got_a) == "device lost"
+    assert a.kv is None and b.kv is None
+    c = sequence("c")
+    scheduler.submit(c)
+    assert result(c).token_ids == [30, 31, 32]
+    assert scheduler.failure is None
+
+
+def test_stop_ends_the_thread_and_fails_what_is_left(make_scheduler):
+    """`stop` while a prefill is in progress: that step finishes, then the running and the
+    waiting request both end with SchedulerClosed, new requests are refused, and `close`
+    returns with the stepping thread gone."""
+    steps = FakeSteps({"a": 10, "b": 20}, gated=frozenset({"a"}))
+    scheduler = make_scheduler(steps, CountingDecode())
+    a, b = sequence("a"), sequence("b")
+    scheduler.submit(a)
+    scheduler.submit(b)
+    assert steps.entered.wait(WAIT_S)
+    scheduler.stop()
+    with pytest.raises(SchedulerClosed, match="closed"):
+        scheduler.submit(sequence("c"))
+    steps.gate.set()
+    scheduler.close()
+    deltas, got = outcome(a)
+    assert deltas == ["<10>"] and isinstance(got, SchedulerClosed)
+    assert isinstance(error(b), SchedulerClosed)
+    assert steps.begun == ["a"]  # b never started
+    assert a.kv is None
+    assert steps.threads and not any(t.is_alive() for t in steps.threads)
+    scheduler.close()  # a second close has nothing left to do
+
+
+def test_close_of_an_idle_scheduler_ends_its_thread(make_scheduler):
+    steps = FakeSteps({"a": 10})
+    scheduler = make_scheduler(steps, CountingDecode())
+    a = sequence("a", max_tokens=1)
+    scheduler.submit(a)
+    assert result(a).token_ids == [10]
+    scheduler.close()
+    assert steps.threads and not any(t.is_alive() for t in steps.threads)
+    with pytest.raises(SchedulerClosed):
+        scheduler.submit(sequence("b"))
+
+
+def test_a_fault_outside_any_sequence_stops_the_loop_for_everyone(make_scheduler, caplog):
+    """Engine state breaking (here the KV pool taking a buffer back) is no one request's error:
+    the loop stops, every request left fails with SchedulerClosed, `failure` says why and new
+    requests are refused."""
+    def broken_pool(kv: object) -> None:
+        raise RuntimeError("pool broken")
+
+    steps = FakeSteps({"a": 10, "b": 20}, gated=frozenset({"a"}), on_release=broken_pool)
+    scheduler = make_scheduler(steps, CountingDecode())
+    a, b = sequence("a", max_tokens=1), sequence("b")
+    scheduler.submit(a)
+    scheduler.submit(b)
+    steps.gate.set()
+    assert result(a).token_ids == [10]  # posted before its buffer went back
+    got = error(b)
+    assert isinstance(got, SchedulerClosed) and "pool broken" in str(got)
+    scheduler.close()
+    assert scheduler.failure == "RuntimeError: pool broken"
+    assert steps.begun == ["a"]
+    assert not any(t.is_alive() for t in steps.threads)
+    with pytest.raises(SchedulerClosed, match="stopped on a fault"):
+        scheduler.submit(sequence("c"))
