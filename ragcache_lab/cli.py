@@ -6,6 +6,8 @@ loads when it runs."""
 from __future__ import annotations
 
 import argparse
+import importlib
+from collections.abc import Callable
 from pathlib import Path
 
 from engine_sidecar.engine_args import add_engine_arguments
@@ -32,6 +34,14 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
         add(sub)
 
 
+
+def lazy_run(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """A subcommand's handler that imports its benchmark module only when it runs."""
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), function)(args)
+    return run
+
+
 def _model_list(text: str) -> list[str]:
     models = [m.strip() for m in text.split(",")]
     if not all(models) or len(set(models)) != len(models):
@@ -39,28 +49,8 @@ def _model_list(text: str) -> list[str]:
     return models
 
 
-def cmd_bench_fidelity(args: argparse.Namespace) -> int:
-    from ragcache_lab.fidelity_modes import run_fidelity
-
-    return run_fidelity(args)
 
 
-def cmd_bench_prefetch(args: argparse.Namespace) -> int:
-    from ragcache_lab.prefetch import run_prefetch
-
-    return run_prefetch(args)
-
-
-def cmd_bench_workload(args: argparse.Namespace) -> int:
-    from ragcache_lab.workload import run_workload
-
-    return run_workload(args)
-
-
-def cmd_bench_prefill(args: argparse.Namespace) -> int:
-    from ragcache_lab.prefill import run_prefill
-
-    return run_prefill(args)
 
 
 def cmd_bench_gpu(args: argparse.Namespace) -> int:
@@ -76,22 +66,7 @@ def cmd_bench_gpu(args: argparse.Namespace) -> int:
     return 0 if guards is None or guards.get("pass") else 1
 
 
-def cmd_bench_load(args: argparse.Namespace) -> int:
-    from ragcache_lab.load import run_load
 
-    return run_load(args)
-
-
-def cmd_bench_cluster(args: argparse.Namespace) -> int:
-    from ragcache_lab.cluster import run_cluster_bench
-
-    return run_cluster_bench(args)
-
-
-def cmd_bench_route_replay(args: argparse.Namespace) -> int:
-    from ragcache_lab.route_replay import run_route_replay
-
-    return run_route_replay(args)
 
 
 def add_fidelity_command(sub: Subcommands) -> None:
@@ -165,7 +140,7 @@ def add_fidelity_command(sub: Subcommands) -> None:
                      help="also run full prefill in the other dtype (bf16 for an fp32 run, fp32 otherwise) as row "
                           "'full@<dtype>': how often full itself changes its answer with precision")
     add_engine_arguments(fid)
-    fid.set_defaults(func=cmd_bench_fidelity)
+    fid.set_defaults(func=lazy_run("ragcache_lab.fidelity_modes", "run_fidelity"))
 
 
 def add_prefetch_command(sub: Subcommands) -> None:
@@ -181,7 +156,7 @@ def add_prefetch_command(sub: Subcommands) -> None:
     pf.add_argument("--policy", default=DEFAULT_POLICY, type=policy_arg, help=POLICY_HELP)
     pf.add_argument("--json", type=Path, default=None, help="write results JSON (and a .md table) here")
     add_engine_arguments(pf)
-    pf.set_defaults(func=cmd_bench_prefetch)
+    pf.set_defaults(func=lazy_run("ragcache_lab.prefetch", "run_prefetch"))
 
 
 def add_workload_command(sub: Subcommands) -> None:
@@ -231,7 +206,7 @@ def add_workload_command(sub: Subcommands) -> None:
     wl.add_argument("--model", default="default")
     wl.add_argument("--device", default="cpu")
     wl.add_argument("--dtype", default="bfloat16", help="engine and vLLM dtype (same for both)")
-    wl.set_defaults(func=cmd_bench_workload)
+    wl.set_defaults(func=lazy_run("ragcache_lab.workload", "run_workload"))
 
 
 def add_prefill_command(sub: Subcommands) -> None:
@@ -262,7 +237,7 @@ def add_prefill_command(sub: Subcommands) -> None:
                      "(default: torch's choice; vLLM binds VLLM_CPU_OMP_THREADS_BIND, default 0-1)")
     pre.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local HF model folder")
     pre.add_argument("--json", type=Path, default=None, help="write every run as JSON here (and the table as .md)")
-    pre.set_defaults(func=cmd_bench_prefill)
+    pre.set_defaults(func=lazy_run("ragcache_lab.prefill", "run_prefill"))
 
 
 def add_gpu_command(sub: Subcommands) -> None:
@@ -289,7 +264,7 @@ def add_load_command(sub: Subcommands) -> None:
                           "level in turn. Prints TTFT p50/p99 and output tokens/s per system and level, with "
                           "ratios; --json writes them and a Markdown table.")
     add_load_arguments(load)
-    load.set_defaults(func=cmd_bench_load)
+    load.set_defaults(func=lazy_run("ragcache_lab.load", "run_load"))
 
 
 def add_cluster_command(sub: Subcommands) -> None:
@@ -300,7 +275,7 @@ def add_cluster_command(sub: Subcommands) -> None:
                                          "once per router, from cold: local hit ratio, computed prefill tokens, "
                                          "TTFT p50/p99, max/min replica load, Ray's per-request overhead.")
     add_cluster_bench_arguments(cluster)
-    cluster.set_defaults(func=cmd_bench_cluster)
+    cluster.set_defaults(func=lazy_run("ragcache_lab.cluster", "run_cluster_bench"))
 
 
 def add_route_replay_command(sub: Subcommands) -> None:
@@ -315,4 +290,4 @@ def add_route_replay_command(sub: Subcommands) -> None:
                                         "computed tokens, load balance, modelled TTFT and the router's decisions. "
                                         "A model for comparing settings; confirm with `bench cluster`.")
     add_route_replay_arguments(replay)
-    replay.set_defaults(func=cmd_bench_route_replay)
+    replay.set_defaults(func=lazy_run("ragcache_lab.route_replay", "run_route_replay"))
