@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ragcache-demo-"))
     client = open_qdrant(args.qdrant_path, args.qdrant_url)
     sidecar = None
+    finished = False
     try:
         model = embedder()
         points = ensure_ingested(client, model)
@@ -249,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"cached, at new positions ({', '.join(f'Q{rows.index(r) + 1}' for r in fused) or 'none'}); "
                       "a prefix cache reuses only an exact prefix. "
                       f"Answers: {same} of {len(rows)} the same words as full prefill's.")
+        finished = True
     except ValueError as exc:
         raise SystemExit(f"demo: error: {exc}") from None
     finally:
@@ -256,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         if sidecar is not None:
             sidecar.stop()
             console.print("sidecar stopped")
+        # the fresh chunk cache is hundreds of MB per run: kept only when a failed run needs its log
+        if finished or sidecar is None:
+            shutil.rmtree(work, ignore_errors=True)
+        elif sidecar is not None:
+            console.print(f"the sidecar's log is kept in {sidecar.log_path}")
     return 0
 
 

@@ -36,7 +36,9 @@ def test_chatbot_demo_end_to_end_stops_its_sidecar(smol_dir, tmp_path):
     from examples.chatbot import ingest
 
     assert ingest.main(["--corpus", str(ingest.BUNDLED_CORPUS), "--qdrant-path", str(tmp_path / "q")]) == 0
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200", "TMPDIR": str(scratch)}
     proc = subprocess.run(
         [sys.executable, "-m", "examples.chatbot.demo", "--qdrant-path", str(tmp_path / "q"), "--model", str(smol_dir),
          "--max-tokens", "12"],
@@ -61,6 +63,8 @@ def test_chatbot_demo_end_to_end_stops_its_sidecar(smol_dir, tmp_path):
     assert sidecar is not None
     with pytest.raises(httpx.TransportError):
         httpx.get(sidecar.group(1) + "/health", timeout=5)
+    # a finished run leaves no chunk cache behind in the temporary folder (hundreds of MB a run)
+    assert not list(scratch.glob("ragcache-demo-*")), list(scratch.iterdir())
 
 
 def test_the_demo_script_is_checked_before_anything_starts(tmp_path):
