@@ -143,6 +143,10 @@ class BatchingConfig:
     kv_bytes: int = setting(4 << 30, Flag("--batch-kv-gb", "KV of the running requests together, prompt + "
                                           "max_tokens each; a request that does not fit waits (one always runs)",
                                           parse="non_negative", unit=GIB), flat="batch_kv_bytes")
+    prefill_tokens: int = setting(8192, Flag(
+        "--prefill-token-budget", "prompt tokens one scheduler step prefills before the running requests' next "
+        "decode step (at least one request, whatever its length): lower keeps streams' inter-token latency under a "
+        "burst of arrivals, higher lets new requests start sooner", parse="positive"), flat="prefill_token_budget")
     graphs: GraphMode = setting("auto", Flag(
         "--decode-graphs", "auto (default) or on: on a GPU with the Triton kernels, each decode step replays a CUDA "
         "graph captured once per batch size (1, 2, 4, ... up to --max-batch; captured on first use), instead of "

@@ -1,10 +1,13 @@
 """Concurrent requests served in batches: a waiting queue, a running set, one stepping thread.
 
-Each step is either one prefill (the oldest waiting sequence, when the running set has room in
-sequences and in reserved KV rows) or one batched decode step over every running sequence.
-Prefill goes first: a new request's first token waits for at most one decode step, and decode
-steps grow cheaper per token as the batch fills. The engine's lock is held for one step at a
-time, so warm-ups, cache clears and fidelity probes interleave between steps.
+Each step prefills waiting sequences, oldest first, while the running set has room in sequences
+and in reserved KV rows and their prompts stay within the step's prefill token budget (one is
+always taken, whatever its length), then runs one batched decode step over every running
+sequence, the new ones included. A running stream therefore waits at most one budget's worth of
+prefill between two of its tokens, however many requests queue up; a new request's first token
+waits for the prefills ahead of it in its step and for one decode step per earlier step. The
+engine's lock is held for one step at a time, so warm-ups, cache clears and fidelity probes
+interleave between steps.
 
 A failure belongs to the sequence it came from: an exception in one sequence's prefill, sampling
 or completion fails that request and frees its slot while the others keep stepping. A fault
@@ -54,17 +57,20 @@ class SchedulerClosed(EngineUnavailableError):
 
 class Scheduler:
     def __init__(self, decode: BatchDecode, lock: threading.RLock, steps: SequenceStepper, max_batch: int,
-                 kv_budget_tokens: int, graphs: DecodeGraphs | None = None):
+                 kv_budget_tokens: int, graphs: DecodeGraphs | None = None, prefill_budget_tokens: int = 8192):
         """`steps.begin(seq)` plans and prefills a sequence and samples its first token (True while
         it wants more); `steps.complete(seq)` runs after its last token. Both run on the stepping
         thread with `lock` held, as does `decode`, the batched decode step over the running
-        sequences. `graphs`, where given, replays decode steps from CUDA graphs."""
+        sequences. `graphs`, where given, replays decode steps from CUDA graphs. A step prefills
+        prompts of at most `prefill_budget_tokens` tokens together (at least one prompt)."""
         self.decode, self.lock, self.graphs = decode, lock, graphs
         self.steps = steps
         self.max_batch = max(1, max_batch)
         self.kv_budget_tokens = kv_budget_tokens
+        self.prefill_budget_tokens = max(1, prefill_budget_tokens)
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
+        self._starting: deque[Sequence] = deque()  # admitted to this step, prefill not yet begun
         self._running: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -76,7 +82,7 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._starting)
 
     @property
     def running(self) -> int:
@@ -117,7 +123,8 @@ class Scheduler:
             log.exception("the scheduler loop stopped")
             with self._cond:
                 self.failure = f"{type(exc).__name__}: {exc}"
-                pending = list(self._waiting) + self._running
+                pending = list(self._starting) + list(self._waiting) + self._running
+                self._starting.clear()
                 self._waiting.clear()
                 self._running = []
             for seq in pending:
@@ -133,12 +140,12 @@ class Scheduler:
                     pending = list(self._waiting) + self._running
                     self._waiting.clear()
                     break
-                admitted = self._admit()
+                self._starting.extend(self._admit())
             self._running = [s for s in self._running if not self._dropped(s)]
             with self.lock:
-                if admitted is not None:
-                    self._prefill(admitted)
-                elif self._running:
+                while self._starting:
+                    self._prefill(self._starting.popleft())
+                if self._running:
                     self._decode()
         for seq in pending:
             seq.release()
@@ -151,17 +158,29 @@ class Scheduler:
             return True
         return False
 
-    def _admit(self) -> Sequence | None:
-        """The oldest waiting sequence if it fits (always when nothing runs: a request larger
-        than the budget still runs, alone)."""
-        while self._waiting and self._waiting[0].cancelled.is_set():
-            self._waiting.popleft()
-        if not self._waiting or len(self._running) >= self.max_batch:
-            return None
+    def _admit(self) -> list[Sequence]:
+        """The oldest waiting sequences that fit beside the running ones, in arrival order, while
+        their prompts stay within the prefill budget. The first always fits the budget, and fits
+        the KV rows when nothing runs (a request larger than the KV budget runs, alone)."""
+        admitted: list[Sequence] = []
         reserved = sum(s.reserved_tokens for s in self._running)
-        if self._running and reserved + self._waiting[0].reserved_tokens > self.kv_budget_tokens:
-            return None
-        return self._waiting.popleft()
+        prompt_tokens = 0
+        while self._waiting:
+            head = self._waiting[0]
+            if head.cancelled.is_set():
+                self._waiting.popleft()
+                continue
+            if len(self._running) + len(admitted) >= self.max_batch:
+                break
+            alone = not self._running and not admitted
+            if not alone and reserved + head.reserved_tokens > self.kv_budget_tokens:
+                break
+            if admitted and prompt_tokens + head.prompt_tokens > self.prefill_budget_tokens:
+                break
+            admitted.append(self._waiting.popleft())
+            reserved += head.reserved_tokens
+            prompt_tokens += head.prompt_tokens
+        return admitted
 
     def _prefill(self, seq: Sequence) -> None:
         self.steps_prefill += 1

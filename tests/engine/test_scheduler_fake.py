@@ -36,10 +36,10 @@ def spell(ids: list[int]) -> str:
 
 
 class FakeKV:
-    """What the scheduler reads of a KV buffer: the rows it reserves."""
+    """What the scheduler reads of a KV buffer: the rows it reserves (and whose it is)."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    def __init__(self, capacity: int, owner: str = ""):
+        self.capacity, self.owner = capacity, owner
 
 
 class FakeSteps:
@@ -69,7 +69,7 @@ class FakeSteps:
         if seq.tenant in self.fail_begin:
             raise ValueError(f"bad prompt {seq.tenant}")
         seq.on_release = self.on_release
-        return seq.begin_decoding(one_hot(self.first[seq.tenant]), FakeKV(seq.reserved_tokens),  # type: ignore[arg-type]
+        return seq.begin_decoding(one_hot(self.first[seq.tenant]), FakeKV(seq.reserved_tokens, seq.tenant),  # type: ignore[arg-type]
                                   GenerationStats(), spell, {EOS})
 
     def complete(self, seq: Sequence) -> None:
@@ -81,27 +81,35 @@ class FakeSteps:
 
 class CountingDecode:
     """A batched decode step without a model: each sequence's next token is the one it was fed
-    plus one; a fed token in `poisoned` gets a row of NaN (that sequence's logits broke). With
-    `fail_next` the next step raises instead (the whole step broke)."""
+    plus one; a fed token in `poisoned` gets a row of NaN (that sequence's logits broke). The
+    step numbered `fail_at` (from 1) raises instead (the whole step broke)."""
 
-    def __init__(self, poisoned: frozenset[int] = frozenset()):
-        self.poisoned = poisoned
-        self.fail_next = False
+    def __init__(self, poisoned: frozenset[int] = frozenset(), fail_at: int | None = None):
+        self.poisoned, self.fail_at = poisoned, fail_at
         self.batches: list[list[int]] = []
 
     def __call__(self, kvs: list, tokens: list[int]) -> torch.Tensor:
         assert len(kvs) == len(tokens) and all(isinstance(kv, FakeKV) for kv in kvs)
         self.batches.append(list(tokens))
-        if self.fail_next:
-            self.fail_next = False
+        if len(self.batches) == self.fail_at:
             raise RuntimeError("device lost")
         return torch.stack([torch.full((VOCAB,), float("nan")) if t in self.poisoned else one_hot(t + 1)
                             for t in tokens])
 
 
-def sequence(name: str, max_tokens: int = 3) -> Sequence:
-    return Sequence(SamplingParams(max_tokens=max_tokens), parse_policy("full"), name, None, None, prompt_tokens=4,
-                    t0=0.0)
+def sequence(name: str, max_tokens: int = 3, prompt_tokens: int = 4) -> Sequence:
+    return Sequence(SamplingParams(max_tokens=max_tokens), parse_policy("full"), name, None, None,
+                    prompt_tokens=prompt_tokens, t0=0.0)
+
+
+def submit_while_first_prefills(scheduler: Scheduler, steps: FakeSteps, first: Sequence, later: list[Sequence]) -> None:
+    """`first` (gated in `steps`) is submitted and its prefill entered; `later` arrive while it
+    is in progress (so they wait for the next step); then the gate opens."""
+    scheduler.submit(first)
+    assert steps.entered.wait(WAIT_S)
+    for seq in later:
+        scheduler.submit(seq)
+    steps.gate.set()
 
 
 def outcome(seq: Sequence) -> tuple[list[str], GenerationResult | BaseException]:
@@ -131,8 +139,10 @@ def error(seq: Sequence) -> BaseException:
 def make_scheduler() -> Iterator:
     made: list[Scheduler] = []
 
-    def make(steps: FakeSteps, decode: CountingDecode, max_batch: int = 4, kv_budget: int = 1000) -> Scheduler:
-        scheduler = Scheduler(decode, threading.RLock(), steps, max_batch, kv_budget)
+    def make(steps: FakeSteps, decode: CountingDecode, max_batch: int = 4, kv_budget: int = 1000,
+             prefill_budget: int = 8192) -> Scheduler:
+        scheduler = Scheduler(decode, threading.RLock(), steps, max_batch, kv_budget,
+                              prefill_budget_tokens=prefill_budget)
         made.append(scheduler)
         return scheduler
 
@@ -142,16 +152,15 @@ def make_scheduler() -> Iterator:
 
 
 def test_requests_are_admitted_in_arrival_order_and_decoded_together(make_scheduler):
-    """Four requests arrive while the first one's prefill is in progress: each is prefilled in
-    turn, oldest first, then one decode step serves all four, and each gets its own tokens."""
+    """Three requests arrive while the first one's prefill is in progress: that step decodes the
+    first alone, the next prefills the three, oldest first, and decodes all four together; each
+    gets its own tokens."""
     names = ["a", "b", "c", "d"]
     steps = FakeSteps({"a": 10, "b": 20, "c": 30, "d": 40}, gated=frozenset({"a"}))
     decode = CountingDecode()
     scheduler = make_scheduler(steps, decode)
     seqs = [sequence(n) for n in names]
-    for seq in seqs:
-        scheduler.submit(seq)
-    steps.gate.set()
+    submit_while_first_prefills(scheduler, steps, seqs[0], seqs[1:])
     results = [outcome(seq) for seq in seqs]
     assert steps.begun == names
     for (deltas, got), first in zip(results, (10, 20, 30, 40), strict=True):
@@ -161,23 +170,49 @@ def test_requests_are_admitted_in_arrival_order_and_decoded_together(make_schedu
         assert deltas == [f"<{first}>", f"<{first + 1}>", f"<{first + 2}>"]
         assert got.text == "".join(deltas)
     assert steps.completed == names
-    assert decode.batches == [[10, 20, 30, 40], [11, 21, 31, 41]]  # the tokens each step fed back
-    assert (scheduler.steps_prefill, scheduler.steps_decode, scheduler.peak_batch) == (4, 2, 4)
+    assert decode.batches == [[10], [11, 20, 30, 40], [21, 31, 41]]  # the tokens each step fed back
+    assert (scheduler.steps_prefill, scheduler.steps_decode, scheduler.peak_batch) == (4, 3, 4)
     scheduler.close()  # the last step clears the running set after posting the results
     assert scheduler.running == 0 and scheduler.waiting == 0 and scheduler.failure is None
 
 
+def test_a_burst_of_arrivals_is_prefilled_within_the_budget_between_decode_steps(make_scheduler):
+    """Four requests of 4 prompt tokens arrive together while a long answer streams; with a
+    budget of 10 prompt tokens a step prefills two of them, and the stream (z) gets a token
+    after each step's prefills instead of waiting for all four."""
+    steps = FakeSteps({"z": 50, "a": 10, "b": 20, "c": 30, "d": 40}, gated=frozenset({"z"}))
+    decode = CountingDecode()
+    scheduler = make_scheduler(steps, decode, max_batch=8, prefill_budget=10)
+    z = sequence("z", max_tokens=10)
+    burst = [sequence(n) for n in "abcd"]
+    submit_while_first_prefills(scheduler, steps, z, burst)
+    assert result(z).token_ids == list(range(50, 60))
+    assert [result(seq).token_ids for seq in burst] == [[10, 11, 12], [20, 21, 22], [30, 31, 32], [40, 41, 42]]
+    assert decode.batches[:4] == [[50], [51, 10, 20], [52, 11, 21, 30, 40], [53, 31, 41]]
+    assert steps.begun == ["z", "a", "b", "c", "d"]
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_alone_in_its_step(make_scheduler):
+    """The budget never starves a long prompt: the first waiting request is always taken, and
+    nothing else joins it in that step."""
+    steps = FakeSteps({"z": 50, "a": 10, "b": 20}, gated=frozenset({"z"}))
+    decode = CountingDecode()
+    scheduler = make_scheduler(steps, decode, prefill_budget=3)
+    z, a, b = sequence("z", max_tokens=6), sequence("a", prompt_tokens=50), sequence("b", prompt_tokens=50)
+    submit_while_first_prefills(scheduler, steps, z, [a, b])
+    assert [result(seq).token_ids for seq in (z, a, b)] == [list(range(50, 56)), [10, 11, 12], [20, 21, 22]]
+    assert decode.batches[:3] == [[50], [51, 10], [52, 11, 20]]
+
+
 def test_max_batch_bounds_the_running_set(make_scheduler):
-    """With room for two, the third request waits until the first two finished."""
+    """With room for two, the third request waits until one of the first two finished."""
     steps = FakeSteps({"a": 10, "b": 20, "c": 30}, gated=frozenset({"a"}))
     decode = CountingDecode()
     scheduler = make_scheduler(steps, decode, max_batch=2)
-    seqs = [sequence(n, max_tokens=2) for n in "abc"]
-    for seq in seqs:
-        scheduler.submit(seq)
-    steps.gate.set()
-    assert [result(seq).token_ids for seq in seqs] == [[10, 11], [20, 21], [30, 31]]
-    assert decode.batches == [[10, 20], [30]]
+    seqs = [sequence(n) for n in "abc"]
+    submit_while_first_prefills(scheduler, steps, seqs[0], seqs[1:])
+    assert [result(seq).token_ids for seq in seqs] == [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    assert decode.batches == [[10], [11, 20], [21, 30], [31]]
     assert steps.begun == ["a", "b", "c"] and scheduler.peak_batch == 2
 
 
@@ -238,25 +273,20 @@ def test_non_finite_logits_fail_only_their_sequence(make_scheduler):
     decode = CountingDecode(poisoned=frozenset({21}))
     scheduler = make_scheduler(steps, decode)
     a, b, c = (sequence(n) for n in "abc")
-    for seq in (a, b, c):
-        scheduler.submit(seq)
-    steps.gate.set()
+    submit_while_first_prefills(scheduler, steps, a, [b, c])
     deltas, got = outcome(b)
     assert deltas == ["<20>", "<21>"] and isinstance(got, NonFiniteLogitsError)
     assert result(a).token_ids == [10, 11, 12]
     assert result(c).token_ids == [30, 31, 32]
-    assert decode.batches == [[10, 20, 30], [11, 21, 31]]
+    assert decode.batches == [[10], [11, 20, 30], [21, 31]]
 
 
 def test_a_failing_decode_step_fails_its_batch_and_serving_goes_on(make_scheduler):
     steps = FakeSteps({"a": 10, "b": 20, "c": 30}, gated=frozenset({"a"}))
-    decode = CountingDecode()
-    decode.fail_next = True
+    decode = CountingDecode(fail_at=2)  # a's first decode step alone, then a's and b's together
     scheduler = make_scheduler(steps, decode)
     a, b = sequence("a"), sequence("b")
-    scheduler.submit(a)
-    scheduler.submit(b)
-    steps.gate.set()
+    submit_while_first_prefills(scheduler, steps, a, [b])
     got_a, got_b = error(a), error(b)
     assert got_a is got_b and isinstance(got_a, RuntimeError) and str(got_a) == "device lost"
     assert a.kv is None and b.kv is None
@@ -267,22 +297,22 @@ def test_a_failing_decode_step_fails_its_batch_and_serving_goes_on(make_schedule
 
 
 def test_stop_ends_the_thread_and_fails_what_is_left(make_scheduler):
-    """`stop` while a prefill is in progress: that step finishes, then the running and the
-    waiting request both end with SchedulerClosed, new requests are refused, and `close`
-    returns with the stepping thread gone."""
+    """`stop` while a prefill is in progress: that step (the prefill and its decode step)
+    finishes, then the running and the waiting request both end with SchedulerClosed, new
+    requests are refused, and `close` returns with the stepping thread gone."""
     steps = FakeSteps({"a": 10, "b": 20}, gated=frozenset({"a"}))
     scheduler = make_scheduler(steps, CountingDecode())
     a, b = sequence("a"), sequence("b")
     scheduler.submit(a)
-    scheduler.submit(b)
     assert steps.entered.wait(WAIT_S)
+    scheduler.submit(b)
     scheduler.stop()
     with pytest.raises(SchedulerClosed, match="closed"):
         scheduler.submit(sequence("c"))
     steps.gate.set()
     scheduler.close()
     deltas, got = outcome(a)
-    assert deltas == ["<10>"] and isinstance(got, SchedulerClosed)
+    assert deltas == ["<10>", "<11>"] and isinstance(got, SchedulerClosed)
     assert isinstance(error(b), SchedulerClosed)
     assert steps.begun == ["a"]  # b never started
     assert a.kv is None
@@ -312,9 +342,7 @@ def test_a_fault_outside_any_sequence_stops_the_loop_for_everyone(make_scheduler
     steps = FakeSteps({"a": 10, "b": 20}, gated=frozenset({"a"}), on_release=broken_pool)
     scheduler = make_scheduler(steps, CountingDecode())
     a, b = sequence("a", max_tokens=1), sequence("b")
-    scheduler.submit(a)
-    scheduler.submit(b)
-    steps.gate.set()
+    submit_while_first_prefills(scheduler, steps, a, [b])
     assert result(a).token_ids == [10]  # posted before its buffer went back
     got = error(b)
     assert isinstance(got, SchedulerClosed) and "pool broken" in str(got)
@@ -324,3 +352,22 @@ def test_a_fault_outside_any_sequence_stops_the_loop_for_everyone(make_scheduler
     assert not any(t.is_alive() for t in steps.threads)
     with pytest.raises(SchedulerClosed, match="stopped on a fault"):
         scheduler.submit(sequence("c"))
+
+
+def test_a_fault_fails_the_requests_admitted_to_the_step_but_not_yet_prefilled(make_scheduler):
+    """a and b are admitted to one step; a's prefill breaks engine state (its KV cannot go back
+    to the pool): b, admitted but never begun, and z, running, end with SchedulerClosed."""
+    def pool_broken_for_a(kv: FakeKV) -> None:
+        if kv.owner == "a":
+            raise RuntimeError("pool broken")
+
+    steps = FakeSteps({"z": 50, "a": 10, "b": 20}, gated=frozenset({"z"}), on_release=pool_broken_for_a)
+    scheduler = make_scheduler(steps, CountingDecode())
+    z, a, b = sequence("z", max_tokens=8), sequence("a", max_tokens=1), sequence("b")
+    submit_while_first_prefills(scheduler, steps, z, [a, b])
+    assert result(a).token_ids == [10]
+    for seq in (b, z):
+        got = error(seq)
+        assert isinstance(got, SchedulerClosed) and "pool broken" in str(got)
+    scheduler.close()
+    assert steps.begun == ["z", "a"] and scheduler.failure == "RuntimeError: pool broken"
