@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -143,13 +144,31 @@ POLICIES: tuple[PolicyEntry, ...] = (
                 option="nostop"),
 )
 
+# every policy the grammar accepts: the built-in ones, then any an engine-side plugin added
 BY_NAME: dict[str, PolicyEntry] = {p.name: p for p in POLICIES}
-NAMES: tuple[str, ...] = tuple(BY_NAME)
+NAMES: tuple[str, ...] = tuple(BY_NAME)  # the built-in ones
 DEFAULT_POLICY = "cacheblend:0.15:min24"
 
 
+def add_policy_entry(entry: PolicyEntry) -> Callable[[], None]:
+    """Accept `entry`'s policy from now on, in this process (the engine's `register_policy` calls
+    this beside the class that runs it); returns the function that removes it again. A client
+    process that validates specs without the engine does not see it."""
+    if entry.name in BY_NAME:
+        raise ValueError(f"policy '{entry.name}' is already in the grammar")
+    if not entry.name.isidentifier() or entry.name != entry.name.lower():
+        raise ValueError(f"a policy name is a lowercase identifier, got '{entry.name}'")
+    BY_NAME[entry.name] = entry
+
+    def remove() -> None:
+        if BY_NAME.get(entry.name) is entry:
+            del BY_NAME[entry.name]
+
+    return remove
+
+
 def forms() -> list[str]:
-    return [p.form for p in POLICIES]
+    return [p.form for p in BY_NAME.values()]
 
 
 def forms_text(sep: str = " | ") -> str:
@@ -165,7 +184,7 @@ def valid_policies_text() -> str:
 
 def policy_help() -> str:
     """For `--policy` help and field descriptions: the grammar, then what each policy does."""
-    lines = "; ".join(f"{p.name} = {p.summary}" for p in POLICIES)
+    lines = "; ".join(f"{p.name} = {p.summary}" for p in BY_NAME.values())
     return (f"{forms_text()} (default {DEFAULT_POLICY}). {lines}. Every policy but full and prefix also takes "
             f":{TEMP_TAG}T after its argument, an attention temperature T in [{TEMP_RANGE[0]:g}, {TEMP_RANGE[1]:g}] on "
             f"the reused chunk KV (APE; e.g. cacheblend:0.15:temp1.1, reuse:temp1.1, cachecraft:temp20)")
@@ -314,5 +333,5 @@ def policy_list_arg(text: str) -> str:
 
 
 __all__ = ["ARG_RANGES", "BY_NAME", "PROBE_RANGE", "TEMP_RANGE", "DEFAULT_POLICY", "NAMES", "POLICIES", "PROBE_TAG", "TEMP_TAG", "PolicyEntry", "PolicySpec", "PolicySpecError",
-           "check_policy", "forms", "forms_text", "parse_policy_spec", "policy_arg", "policy_help", "policy_list_arg",
+           "add_policy_entry", "check_policy", "forms", "forms_text", "parse_policy_spec", "policy_arg", "policy_help", "policy_list_arg",
            "valid_policies_text"]

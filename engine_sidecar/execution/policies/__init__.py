@@ -7,9 +7,9 @@ from engine_sidecar.execution.policies.cachecraft import CacheCraftPolicy
 from engine_sidecar.execution.policies.cachetune import CacheTunePolicy
 from engine_sidecar.execution.policies.plain import EpicPolicy, FullPolicy, PrefixPolicy, ReusePolicy
 from engine_sidecar.execution.policies.prophet import GatePolicy, ProphetPolicy
-from engine_sidecar.execution.policies.registry import parse_policy
+from engine_sidecar.execution.policies.registry import parse_policy, register_policy
 from engine_sidecar.store.frequency import frequency_scores
 
 __all__ = ["CacheBlendPolicy", "CacheCraftPolicy", "CacheTunePolicy", "EpicPolicy", "FocusPolicy", "FullPolicy",
            "GatePolicy", "KeptRows", "LayerView", "MixPolicy", "Policy", "PrefixPolicy", "ProphetPolicy", "ReusePolicy",
-           "frequency_scores", "parse_policy", "span_masks"]
+           "frequency_scores", "parse_policy", "register_policy", "span_masks"]

@@ -21,6 +21,7 @@ from engine_sidecar.execution.plan import FusionPlan
 if TYPE_CHECKING:
     from engine_sidecar.execution.prophet import ReusedKV
     from engine_sidecar.model.runner import ModelRunner
+    from ragcache_integrations.policy_registry import PolicySpec
 
 
 @dataclass
@@ -94,6 +95,12 @@ class Policy:
     # alone, it made KV warmed after neighbours worse on both QA sets (docs/benchmarks.md), so it
     # is left off there (KV computed in place keeps it: there the sets disagreed)
     temper_neighbour_kv = True
+
+    @classmethod
+    def from_spec(cls, spec: PolicySpec) -> Policy:
+        """The policy a checked spec names (its argument, option and tags); a policy without
+        arguments needs no override."""
+        return cls()
 
     def initial_active(self, plan: FusionPlan) -> torch.Tensor:
         """Bool mask [T]; must include every fresh token."""

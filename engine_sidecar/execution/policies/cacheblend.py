@@ -11,6 +11,7 @@ import torch
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies.base import KeptRows, LayerView, Policy, span_masks
+from ragcache_integrations.policy_registry import PolicySpec
 
 if TYPE_CHECKING:
     from engine_sidecar.execution.prophet import ReusedKV
@@ -35,6 +36,12 @@ class CacheBlendPolicy(Policy):
         self.gradual = gradual
         self.min_tokens = min_tokens
         self.reset()
+
+    @classmethod
+    def from_spec(cls, spec: PolicySpec) -> Policy:
+        blend = cls(float(spec.value or 0.0), gradual=spec.option, min_tokens=spec.min_tokens)
+        blend.auto = spec.auto
+        return blend
 
     def reset(self) -> None:
         self._fused_total = 0
@@ -87,6 +94,10 @@ class FocusPolicy(CacheBlendPolicy):
 
     name = "focus"
 
+    @classmethod
+    def from_spec(cls, spec: PolicySpec) -> Policy:
+        return cls(float(spec.value or 0.0))
+
     def refine(self, view: LayerView) -> torch.Tensor | None:
         if view.layer != self.check_layer or self.ratio >= 1.0:
             return None
@@ -129,6 +140,10 @@ class MixPolicy(CacheBlendPolicy):
             raise InvalidPromptError(f"mix probe layers must be >= 1, got {layers}")
         self.mode, self.layers = mode, layers
         self.reset()
+
+    @classmethod
+    def from_spec(cls, spec: PolicySpec) -> Policy:
+        return cls(float(spec.value or 0.0), mode="split" if spec.option else "rank", layers=spec.probe_layers)
 
     def reset(self) -> None:
         super().reset()

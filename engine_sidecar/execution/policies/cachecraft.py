@@ -10,6 +10,7 @@ import torch
 
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies.base import LayerView, Policy, span_masks
+from ragcache_integrations.policy_registry import PolicySpec
 
 
 class CacheCraftPolicy(Policy):
@@ -34,6 +35,10 @@ class CacheCraftPolicy(Policy):
         self.fresh_above = fresh_above
         self.reset()
 
+
+    @classmethod
+    def from_spec(cls, spec: PolicySpec) -> Policy:
+        return cls(float(spec.value or 0.0), early_stop=not spec.option)
     def reset(self) -> None:
         self.stopped_at: int | None = None  # the layer early termination stopped at, if it did
         self._question = torch.zeros(0, dtype=torch.bool)

@@ -9,6 +9,7 @@ import torch
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies.base import Policy, span_masks
 from engine_sidecar.store.frequency import DEFAULT_CUTOFF, frequency_scores
+from ragcache_integrations.policy_registry import PolicySpec
 
 
 class CacheTunePolicy(Policy):
@@ -24,6 +25,12 @@ class CacheTunePolicy(Policy):
         if not 0.0 <= ratio <= 1.0 or not 0.0 < cutoff <= 1.0:
             raise ValueError("ratio must be in [0, 1] and cutoff in (0, 1]")
         self.ratio, self.cutoff = ratio, cutoff
+
+    @classmethod
+    def from_spec(cls, spec: PolicySpec) -> Policy:
+        tune = cls(float(spec.value or 0.0))
+        tune.auto = spec.auto
+        return tune
 
     def initial_active(self, plan: FusionPlan) -> torch.Tensor:
         active = span_masks(plan)[1]

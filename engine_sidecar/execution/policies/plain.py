@@ -7,6 +7,7 @@ import torch
 
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies.base import Policy, span_masks
+from ragcache_integrations.policy_registry import PolicySpec
 
 
 class FullPolicy(Policy):
@@ -44,6 +45,10 @@ class EpicPolicy(Policy):
 
     def __init__(self, k: int = 16):
         self.k = k
+
+    @classmethod
+    def from_spec(cls, spec: PolicySpec) -> Policy:
+        return cls(int(spec.value or 0))
 
     def initial_active(self, plan: FusionPlan) -> torch.Tensor:
         active = span_masks(plan)[1]

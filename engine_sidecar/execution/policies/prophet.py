@@ -11,6 +11,7 @@ import torch
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies.base import Policy, span_masks
+from ragcache_integrations.policy_registry import PolicySpec
 
 if TYPE_CHECKING:
     from engine_sidecar.execution.prophet import ReusedKV
@@ -37,6 +38,10 @@ class ProphetPolicy(Policy):
             raise InvalidPromptError(f"{self.name} probe layers must be >= 1, got {layers}")
         self.ratio, self.radius, self.layers = ratio, radius, layers
         self.reset()
+
+    @classmethod
+    def from_spec(cls, spec: PolicySpec) -> Policy:
+        return cls(float(spec.value or 0.0), radius=0 if spec.option else 1, layers=spec.probe_layers)
 
     def reset(self) -> None:
         self.selected = torch.zeros(0, dtype=torch.bool)  # fused tokens picked for this request's plan
@@ -94,6 +99,10 @@ class GatePolicy(ProphetPolicy):
             if not math.isfinite(threshold):
                 raise InvalidPromptError(f"gate threshold must be a finite number, got {threshold}")
             self.threshold = threshold
+
+    @classmethod
+    def from_spec(cls, spec: PolicySpec) -> Policy:
+        return cls(float(spec.value or 0.0))
 
     def reset(self) -> None:
         super().reset()

@@ -1,8 +1,11 @@
-"""Policy specs ('cacheblend:0.3:gradual', 'prophet:0.15:nowindow', ...) to Policy objects."""
+"""Policy specs ('cacheblend:0.3:gradual', 'prophet:0.15:nowindow', ...) to Policy objects: each
+policy's class builds itself from its checked spec (`Policy.from_spec`). A built-in policy is its
+module, its grammar entry in `ragcache_integrations.policy_registry` (which clients read without
+torch) and its class in `POLICY_CLASSES`; from outside the package, one `register_policy` call."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.policies.base import Policy
@@ -11,7 +14,13 @@ from engine_sidecar.execution.policies.cachecraft import CacheCraftPolicy
 from engine_sidecar.execution.policies.cachetune import CacheTunePolicy
 from engine_sidecar.execution.policies.plain import EpicPolicy, FullPolicy, PrefixPolicy, ReusePolicy
 from engine_sidecar.execution.policies.prophet import GatePolicy, ProphetPolicy
-from ragcache_integrations.policy_registry import PolicySpec, PolicySpecError, parse_policy_spec
+from ragcache_integrations.policy_registry import (
+    PolicyEntry,
+    PolicySpec,
+    PolicySpecError,
+    add_policy_entry,
+    parse_policy_spec,
+)
 
 
 def parse_policy(spec: str, temperatures: Mapping[str, float] | None = None) -> Policy:
@@ -35,32 +44,32 @@ def parse_policy(spec: str, temperatures: Mapping[str, float] | None = None) -> 
 
 
 def _policy_of(parsed: PolicySpec) -> Policy:
-    value = parsed.value
-    if parsed.name == "full":
-        return FullPolicy()
-    if parsed.name == "prefix":
-        return PrefixPolicy()
-    if parsed.name == "reuse":
-        return ReusePolicy()
-    if parsed.name == "cacheblend":
-        blend = CacheBlendPolicy(float(value or 0.0), gradual=parsed.option, min_tokens=parsed.min_tokens)
-        blend.auto = parsed.auto
-        return blend
-    if parsed.name == "focus":
-        return FocusPolicy(float(value or 0.0))
-    if parsed.name == "prophet":
-        return ProphetPolicy(float(value or 0.0), radius=0 if parsed.option else 1, layers=parsed.probe_layers)
-    if parsed.name == "mix":
-        return MixPolicy(float(value or 0.0), mode="split" if parsed.option else "rank", layers=parsed.probe_layers)
-    if parsed.name == "gate":
-        return GatePolicy(float(value or 0.0))
-    if parsed.name == "epic":
-        return EpicPolicy(int(value or 0))
-    if parsed.name == "cachetune":
-        tune = CacheTunePolicy(float(value or 0.0))
-        tune.auto = parsed.auto
-        return tune
-    if parsed.name == "cachecraft":
-        return CacheCraftPolicy(float(value or 0.0), early_stop=not parsed.option)
-    # a registry entry without a class here is a bug, not a user error
-    raise NotImplementedError(f"policy '{parsed.name}' is in the registry but has no Policy class")
+    cls = POLICY_CLASSES.get(parsed.name)
+    if cls is None:  # a grammar entry without a class is a bug, not a user error
+        raise NotImplementedError(f"policy '{parsed.name}' is in the grammar but has no Policy class")
+    return cls.from_spec(parsed)
+
+
+# the class that runs each policy of the grammar, by its name
+POLICY_CLASSES: dict[str, type[Policy]] = {cls.name: cls for cls in (
+    FullPolicy, PrefixPolicy, ReusePolicy, CacheBlendPolicy, FocusPolicy, ProphetPolicy, MixPolicy, GatePolicy,
+    EpicPolicy, CacheTunePolicy, CacheCraftPolicy)}
+
+
+def register_policy(entry: PolicyEntry, cls: type[Policy]) -> Callable[[], None]:
+    """Add a policy: its grammar entry (name, argument, tags, summary) and the class that runs it
+    (`cls.from_spec` builds it from a checked spec). From then on this process's engine, server
+    and CLI accept it like a built-in one. Returns the function that removes it again."""
+    if cls.name != entry.name:
+        raise ValueError(f"the class's name '{cls.name}' differs from the entry's '{entry.name}'")
+    if entry.name in POLICY_CLASSES:
+        raise ValueError(f"policy '{entry.name}' is already registered")
+    remove_entry = add_policy_entry(entry)
+    POLICY_CLASSES[entry.name] = cls
+
+    def unregister() -> None:
+        remove_entry()
+        if POLICY_CLASSES.get(entry.name) is cls:
+            del POLICY_CLASSES[entry.name]
+
+    return unregister
