@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ragcache_kernels import attention as _attention
 from ragcache_kernels import cpu_native as _cpu_native
 from ragcache_kernels import kv as _kv
+from ragcache_kernels import paged_decode as _paged_decode
 from ragcache_kernels import rope as _rope
 from ragcache_kernels._triton_common import MAX_MASS_SEGMENTS, rows_are_dense
 
@@ -223,6 +224,22 @@ def batched_decode(keys_pre: list[torch.Tensor], keys: list[torch.Tensor], value
     from ragcache_kernels import triton_decode as batched
 
     return batched.decode_batch_table(keys_pre, keys, values, positions, sliding_window)
+
+
+def paged_decode_attention(q: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
+                           block_tables: torch.Tensor, lengths: torch.Tensor, scale: float,
+                           window: int | None = None, backend: str | None = None) -> torch.Tensor:
+    """One decode query per sequence, q [B, Hq, D], over its rows of one layer's block pool
+    (key/value blocks [num_blocks, block_size, Hkv, D]) through block_tables [B, max_blocks] and
+    lengths [B] -> [B, Hq, D]; the last `window` rows only with a sliding window. The Triton
+    kernel on CUDA, the torch reference (`paged_decode`) elsewhere."""
+    if resolve_backend(q.device, backend) == "triton":
+        from ragcache_kernels import triton_paged_decode
+
+        return triton_paged_decode.paged_decode_attention(q, key_blocks, value_blocks, block_tables, lengths,
+                                                          scale, window)
+    return _paged_decode.paged_decode_attention_reference(q, key_blocks, value_blocks, block_tables, lengths,
+                                                          scale, window)
 
 
 def selective_attention_with_mass(
