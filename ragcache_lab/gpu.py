@@ -17,13 +17,17 @@ the others still run):
   one batched step costs (weights read once per step).
 - **http**: the sidecar's app in this process, closed-loop clients streaming over HTTP at
   `--http-clients` concurrencies (ragcache_lab/gpu_http.py): TTFT p50/p99 and output tokens/s.
+- **serve**: a RAG deployment's load on the same server (ragcache_lab/gpu_serve.py): a warmed
+  corpus, Zipf-drawn passages per request, closed-loop clients and Poisson open-loop arrivals,
+  each `--serve-policies` policy side by side: TTFT and inter-token latency p50/p99, tokens/s and
+  requests/s, peak KV, chunk hit ratio, and the decode bandwidth ceiling at the row's concurrency.
 - **tiles**: the selective attention at each candidate tile against the launch the engine makes
   (ragcache_lab/gpu_tiles.py); CUDA only, last because its compiles take the longest.
 
 Peaks are measured on the machine (a large device copy; a large bf16/fp32 matmul), not taken from
 a datasheet. `--device cpu --quick` is a dry run with tiny shapes (a CI test runs it).
 Needs torch and transformers (reference only); runs without rich, and without fastapi/uvicorn
-but for the http section, which then says what is missing.
+but for the http and serve sections, which then say what is missing.
 """
 
 from __future__ import annotations
@@ -67,9 +71,10 @@ from ragcache_lab.gpu_models import (
     prefill_flops,
     random_runner,
 )
+from ragcache_lab.gpu_serve import serve_lines, serve_section
 from ragcache_lab.gpu_tiles import tile_lines, tile_sweep
 
-SECTIONS = ("kernels", "guards", "ttft", "decode", "http", "tiles")  # gpu_args.SECTION_NAMES
+SECTIONS = ("kernels", "guards", "ttft", "decode", "http", "serve", "tiles")  # gpu_args.SECTION_NAMES
 POLICIES = ("full", "reuse", "cacheblend:0.15", "cacheblend", "epic:16", "cachecraft:1")
 # measured again with --prefill-graphs on, on the same prompts (on a CPU nothing replays: the rows
 # show what the op-by-op path costs, with graph_replays 0)
@@ -582,6 +587,9 @@ def run_gpu_bench(args: argparse.Namespace) -> dict[str, Any]:
                                                                               work, args, peaks, graphs=True))
         if args.http_clients and "http" in wanted:
             section(f"http_{shapes[-1]}", lambda: http_section(shapes[-1], device, dtype, tokenizer_dir, work, args))
+        if "serve" in wanted:
+            section(f"serve_{shapes[-1]}", lambda: serve_section(shapes[-1], device, dtype, tokenizer_dir, work, args,
+                                                                 peaks))
         if device.type == "cuda" and "tiles" in wanted:
             # last: each tile compiles twice (with and without split keys), the run's longest wait
             section("tiles", lambda: tile_sweep(device, args.quick, timed))
@@ -668,6 +676,8 @@ def markdown(report: dict[str, Any]) -> str:
                 lines += [f"Graph capture failed, decoded op by op: {value['graph_capture_failed']}", ""]
         elif key.startswith("http_"):
             lines += _http_lines(key[5:], value)
+        elif key.startswith("serve_"):
+            lines += serve_lines(key[6:], value)
         elif isinstance(value, dict) and "error" in value:
             lines += [f"{key}: error: {value['error'].splitlines()[0]}", ""]
     return "\n".join(lines).rstrip()

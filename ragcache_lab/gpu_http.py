@@ -26,23 +26,63 @@ MISSING_SERVER = "needs the server extra (fastapi, uvicorn; on a machine without
                  "docs/deployment.md)"
 
 
-def http_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
-                 args: argparse.Namespace) -> dict[str, Any]:
+def server_missing() -> str | None:
+    """Why the app cannot be served here (the server extra is not installed), else None."""
     try:
         import uvicorn  # noqa: F401
 
         from engine_sidecar.server.app import create_app  # noqa: F401
     except ImportError as exc:
-        return {"skipped": f"{MISSING_SERVER}: {exc}"}
+        return f"{MISSING_SERVER}: {exc}"
+    return None
+
+
+@contextlib.contextmanager
+def random_engine(name: str, device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
+                  args: argparse.Namespace, max_batch: int, kv_rows: int | None = None) -> Iterator[Any]:
+    """An engine of shape `name` with random weights, batching up to `max_batch` requests (the
+    served sections' clients must not queue behind a smaller batch) and, with `kv_rows`, admitting
+    running requests up to that many KV rows together (see `kv_budget`); closed, and its device
+    memory given back, on exit."""
+    folder = model_folder(SHAPES[name], tokenizer_dir, work / f"model-{name}")
+    runner = random_runner(folder, device, dtype)
+    options = {"batch_kv_bytes": kv_budget(runner, kv_rows)} if kv_rows else {}
+    engine = engine_on(runner, folder, ram_cache_bytes=args.ram_bytes, max_batch=max(max_batch, 1), **options)
+    try:
+        yield engine
+    finally:
+        engine.close()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def kv_row_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token's KV as a running request holds it: keys before and after RoPE and values,
+    every layer (the engine's KV buffer)."""
+    return 3 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_budget(runner: Any, rows: int) -> int:
+    """Bytes of `rows` KV rows, so admission is not what limits a level; on a GPU at most half the
+    memory the weights left free, so the chunk store and the activations keep room."""
+    c = runner.config
+    need = rows * kv_row_bytes(c.num_layers, c.num_kv_heads, c.head_dim, runner.dtype)
+    if runner.device.type == "cuda":
+        need = min(need, torch.cuda.mem_get_info(runner.device)[0] // 2)
+    return max(need, 1 << 20)
+
+
+def http_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    missing = server_missing()
+    if missing:
+        return {"skipped": missing}
     from ragcache_lab.closed_loop import ChatRequest, RagcacheTarget, run_level
 
-    folder = model_folder(SHAPES[name], tokenizer_dir, work / f"model-{name}")
     clients_max = max(args.http_clients)
-    engine = engine_on(random_runner(folder, device, dtype), folder, ram_cache_bytes=args.ram_bytes,
-                       max_batch=max(clients_max, 1))
     out: dict[str, Any] = {"tokens_each": args.decode_tokens, "passages": args.http_passages,
                            "passage_tokens": args.http_passage_tokens, "policy": args.http_policy}
-    try:
+    with random_engine(name, device, dtype, tokenizer_dir, work, args, clients_max) as engine:
         stored = passages(args.http_passages, args.http_passage_tokens,
                           lambda t: engine.builder.tokenizer.encode(t), args.data)
         engine.warm(stored)
@@ -62,10 +102,6 @@ def http_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
                 out[str(clients)] = {key: (round(v, 4) if isinstance(v, float) else v) for key, v in summary.items()
                                      if key in ("requests", "errors", "first_errors", "ttft_p50_s", "ttft_p99_s",
                                                 "output_tokens", "wall_s", "output_tokens_per_s")}
-    finally:
-        engine.close()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     return out
 
 

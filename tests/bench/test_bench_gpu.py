@@ -87,9 +87,11 @@ def test_it_runs_without_the_server_stack(smol_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "bench-gpu.json").read_text())
     assert not [k for k, v in report.items() if isinstance(v, dict) and "error" in v], report
-    # the HTTP section alone needs the server stack, and says so rather than failing
-    assert "server extra" in report["http_tiny"]["skipped"]
-    assert "HTTP, tiny shape: skipped: needs the server extra" in (tmp_path / "bench-gpu.md").read_text()
+    # the HTTP and serve sections alone need the server stack, and say so rather than failing
+    assert "server extra" in report["http_tiny"]["skipped"] and "server extra" in report["serve_tiny"]["skipped"]
+    table = (tmp_path / "bench-gpu.md").read_text()
+    assert "HTTP, tiny shape: skipped: needs the server extra" in table
+    assert "Serve, tiny shape: skipped: needs the server extra" in table
 
 
 def test_the_flags_name_every_shape_the_benchmark_has():
@@ -104,7 +106,8 @@ def test_sections_and_a_profile_run_only_what_was_asked(smol_dir, tmp_path):
     assert main(["bench", "gpu", "--device", "cpu", "--quick", "--tokenizer", str(smol_dir), "--out", str(out),
                  "--sections", "ttft", "--profile", "reuse"]) == 0
     report = json.loads((out / "bench-gpu.json").read_text())
-    assert {"peaks", "ttft_tiny"} <= set(report) and not {"kernels", "guards", "decode_tiny", "http_tiny"} & set(report)
+    assert {"peaks", "ttft_tiny"} <= set(report) and not {"kernels", "guards", "decode_tiny", "http_tiny",
+                                                                      "serve_tiny"} & set(report)
     profile = (out / "profile-tiny.txt").read_text()
     # torch.profiler's operators, then cProfile's Python functions of the same request
     assert profile.startswith("=== reuse, tiny shape") and "aten::" in profile
