@@ -108,7 +108,7 @@ class EngineBackend:
                            engine.runner.device.type, str(engine.runner.dtype).removeprefix("torch."))
 
     def check_policy(self, policy: str) -> None:
-        return  # every policy of the registry (guards.check_policy already checked the grammar)
+        return  # every policy of the grammar (guards.check_policy checked it first)
 
     def generate(self, prompt: ChunkedPrompt, sampling: SamplingParams, policy: str, tenant: str,
                  order: str) -> Iterator[Event]:

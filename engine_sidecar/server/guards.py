@@ -10,7 +10,7 @@ import re
 import secrets
 import unicodedata
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Protocol
 
 from fastapi import Depends, Header
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -59,13 +59,19 @@ def resolve_tenant(field_value: str | None, header_value: str | None) -> str:
     return tenant
 
 
-def check_policy(policy: str) -> None:
-    # checked against the registry the engine's parser uses, so a typo fails fast (naming the
-    # valid forms) instead of waiting in the engine queue
+class PolicyChecker(Protocol):
+    def check_policy(self, policy: str) -> None: ...  # raises ApiError for a policy it cannot run
+
+
+def check_policy(policy: str, backend: PolicyChecker) -> None:
+    """The request's policy against the grammar the engine's parser uses, then against what the
+    backend can run: a typo or an unsupported policy fails fast (naming the valid forms) instead
+    of waiting in the engine queue."""
     try:
         parse_policy_spec(policy)
     except PolicySpecError as exc:
         raise ApiError(422, f"policy: {exc}", "policy", "invalid_policy") from None
+    backend.check_policy(policy)
 
 
 def check_chunks(chunks: list[Chunk], settings: ServerSettings, field: str = "chunks") -> None:

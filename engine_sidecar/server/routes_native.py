@@ -43,8 +43,7 @@ def native_router(ctx: ServerContext) -> APIRouter:
     async def generate(body: GenerateRequest, request: Request,
                        header_tenant: TenantHeader):
         tenant = resolve_tenant(body.tenant, header_tenant)
-        check_policy(body.policy)
-        backend.check_policy(body.policy)
+        check_policy(body.policy, backend)
         check_chunks(body.prompt.chunks, settings, "prompt.chunks")
         check_stops(body.sampling.stop, settings, "sampling.stop")
         sampling = cap_max_tokens(body.sampling, "max_tokens" in body.sampling.model_fields_set, settings,

@@ -95,8 +95,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
 
 def _chunked(ctx: ServerContext, body: ChatCompletionRequest, sampling: SamplingParams, tenant: str):
     assert body.chunks is not None
-    check_policy(body.policy)
-    ctx.backend.check_policy(body.policy)
+    check_policy(body.policy, ctx.backend)
     check_chunks(body.chunks, ctx.settings)
     users = [m for m in body.messages if m.role == "user"]
     if not users:
@@ -146,8 +145,7 @@ def _plain(ctx: ServerContext, body: ChatCompletionRequest, sampling: SamplingPa
     """A chat without `chunks`: computed in full, unless it quotes passages this sidecar remembers
     for the tenant (passage_book.py); then those are reused in the verbatim layout."""
     messages = _plain_messages(body)
-    check_policy(body.policy)
-    ctx.backend.check_policy(body.policy)
+    check_policy(body.policy, ctx.backend)
 
     def make() -> Iterator[str | GenerationResult]:
         # on the worker thread: matching the remembered passages is string search, off the event
