@@ -183,7 +183,7 @@ class EngineBackend:
         return str(getattr(self.engine, "model_dir", "ragcache"))
 
     def count_tokens(self, text: str) -> int:
-        return len(self.engine.builder.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(self.engine.encode(text))
 
     def stream(self, prompt: ChunkedPrompt, sampling: SamplingParams, *, policy: str = DEFAULT_POLICY,
                order: str = "preserve", tenant: str = "") -> DeltaStream:

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     queries = [q for item in items for q in (item["question"], FOLLOW_UP.format(question=item["question"]))]
     logs = {name: SystemLog() for name in SYSTEMS}
     with Engine.from_pretrained(args.model, device="cpu", dtype=args.dtype, cache_dir=work / "kv") as engine:
-        console.print(f"{len(queries)} queries over {num_nodes} passages, top-{args.k}, model {engine.model_dir.name}, "
+        console.print(f"{len(queries)} queries over {num_nodes} passages, top-{args.k}, model {engine.health().model}, "
                       f"{args.dtype}; systems interleaved per query")
         llms = {name: ChunkCachedLLM(engine=engine, max_tokens=args.max_tokens, tenant=f"bench-{i}", **options)
                 for i, (name, options) in enumerate(SYSTEMS.items())}

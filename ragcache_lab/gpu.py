@@ -269,7 +269,7 @@ def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path
                 os.environ.pop("RAGCACHE_KERNELS", None) if previous is None else os.environ.update(
                     RAGCACHE_KERNELS=previous)
             out["triton_vs_torch_engine_max_abs"] = float((torch_logits.float() - triton_logits.float()).abs().max())
-            out["graph_decode"] = graph_decode_guard(engine.runner, tolerance)
+            out["graph_decode"] = graph_decode_guard(engine.model_runner(), tolerance)
             out["graph_prefill"] = graph_prefill_guard(engine, reordered, tolerance)
         out["tiers"] = tier_round_trip(device, dtype, work)
     finally:
@@ -302,10 +302,10 @@ def family_guard(shape: dict[str, Any], device: torch.device, dtype: torch.dtype
     reference = hf_reference(shape, torch.device("cpu"), torch.float32)
     reference.save_pretrained(str(folder))  # real weights in the folder: the engine loads them as any model
     engine = Engine.from_pretrained(folder, device=device.type, dtype=str(dtype).removeprefix("torch."), disk=False)
-    chunks = passages(4, 120, lambda t: engine.builder.tokenizer.encode(t), data)
+    chunks = passages(4, 120, lambda t: engine.tokenizer().encode(t), data)
     prompt = ChunkedPrompt(chunks=chunks, question=QUESTION)
     full, _ = engine.prefill_logits(prompt, policy="full")
-    ids = torch.tensor([engine.builder.build(prompt).token_ids], device=device)
+    ids = torch.tensor([engine.prompt_token_ids(prompt)], device=device)
     reference = reference.to(device=device, dtype=dtype)
     with torch.no_grad():
         hf = reference(ids, logits_to_keep=1).logits[0, -1]
@@ -328,19 +328,19 @@ def graph_prefill_guard(engine, prompt, tolerance: float) -> dict[str, Any]:
     """Prefills whose layers after the policy's last choice replay from captured graphs against the
     same prefills op by op: logits apart by at most `tolerance` with the same next token, a second
     replay equal to the first, and graphs really captured and replayed."""
-    graphs = PrefillGraphs(engine.runner, engine.max_context)
-    own = engine.prefill_stage.graphs  # the engine's own, by its --prefill-graphs: set aside
+    graphs = PrefillGraphs(engine.model_runner(), engine.max_context)
+    own = engine.use_prefill_graphs(None)  # the engine's own, by its --prefill-graphs: set aside
     out: dict[str, Any] = {}
     for policy in GRAPH_POLICIES[:2]:
-        engine.prefill_stage.graphs = None
+        engine.use_prefill_graphs(None)
         try:
             eager, _ = engine.prefill_logits(prompt, policy=policy)
             replays = graphs.replays
-            engine.prefill_stage.graphs = graphs
+            engine.use_prefill_graphs(graphs)
             graphed, _ = engine.prefill_logits(prompt, policy=policy)
             again, _ = engine.prefill_logits(prompt, policy=policy)
         finally:
-            engine.prefill_stage.graphs = own
+            engine.use_prefill_graphs(own)
         out[policy] = {"max_abs": float((graphed.float() - eager.float()).abs().max()),
                        "argmax_equal": int(graphed.argmax()) == int(eager.argmax()),
                        "replays": graphs.replays - replays, "second_replay_equal": bool(torch.equal(graphed, again))}
@@ -450,7 +450,7 @@ def reuse_from_host_tier(engine, stored: list[str], device: torch.device, repeat
     from engine_sidecar.store.ram import RamTier
     from ragcache_integrations.types import ChunkedPrompt
 
-    store = engine.store
+    store = engine.chunk_store()
     device_tier, host_tier = store.ram, store.host
     store.host = RamTier(1 << 50)
     for digest, entry in device_tier.items():
@@ -493,7 +493,7 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
     engine = engine_on(random_runner(folder, device, dtype), folder, ram_cache_bytes=args.ram_bytes,
                        prefill_graphs="off")
     try:
-        stored = passages(args.passages, args.passage_tokens, lambda t: engine.builder.tokenizer.encode(t), args.data)
+        stored = passages(args.passages, args.passage_tokens, lambda t: engine.tokenizer().encode(t), args.data)
         engine.warm(stored)
         rows: dict[str, Any] = {}
         tokens = 0
@@ -509,12 +509,12 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
         profile_policies(engine, stored, device, args, name)
         # the same prompts again, their layers after the policy's last choice replayed from graphs,
         # captured first as the engine does at load
-        graphs = PrefillGraphs(engine.runner, engine.max_context)
-        captured, capture_s = graphs.capture_all(load_first_layers(engine.runner.num_layers))
+        graphs = PrefillGraphs(engine.model_runner(), engine.max_context)
+        captured, capture_s = graphs.capture_all(load_first_layers(engine.num_layers))
         capture = {"graphs": captured, "seconds": round(capture_s, 2), "timed": graphs.summary(tokens)}
         if graphs.failed:
             capture["failed"] = graphs.failed
-        engine.prefill_stage.graphs = graphs
+        engine.use_prefill_graphs(graphs)
         try:
             for policy in GRAPH_POLICIES:
                 replays, launched = graphs.replays, graphs.launched
@@ -527,7 +527,7 @@ def ttft_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
                 rows[f"{policy} {GRAPHS_SUFFIX}"] = row
             profile_policies(engine, stored, device, args, name, graphs)
         finally:
-            engine.prefill_stage.graphs = None
+            engine.use_prefill_graphs(None)
         rows[HOST_TIER_ROW] = reuse_from_host_tier(engine, stored, device, args.repeats)
     finally:
         engine.close()

@@ -41,7 +41,7 @@ def decode_section(name: str, device: torch.device, dtype: torch.dtype, tokenize
     out: dict[str, Any] = {"tokens_each": args.decode_tokens, "floor_step_ms": round(step_floor_s * 1e3, 3),
                            "graphs": graphs}
     try:
-        texts = passages(8, 200, lambda t: engine.builder.tokenizer.encode(t), args.data)
+        texts = passages(8, 200, lambda t: engine.tokenizer().encode(t), args.data)
         sampling = {"max_tokens": args.decode_tokens, "ignore_eos": True, "temperature": 0.0}
 
         def ask(i: int, results: list) -> None:
@@ -65,7 +65,7 @@ def decode_section(name: str, device: torch.device, dtype: torch.dtype, tokenize
                                  "tokens_per_s": round(produced / wall, 1),
                                  "ttft_p50_s": round(statistics.median(r.stats.ttft_s for r in results), 4),
                                  "floor_tokens_per_s": round(clients / step_floor_s, 1)}
-        decoder = engine.scheduler.graphs
+        decoder = engine.decode_graphs()
         if decoder is not None:
             out["graph_replays"] = decoder.replays
             out["graph_buckets"] = sorted(decoder.graphs)

@@ -84,7 +84,7 @@ def http_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer_
                            "passage_tokens": args.http_passage_tokens, "policy": args.http_policy}
     with random_engine(name, device, dtype, tokenizer_dir, work, args, clients_max) as engine:
         stored = passages(args.http_passages, args.http_passage_tokens,
-                          lambda t: engine.builder.tokenizer.encode(t), args.data)
+                          lambda t: engine.tokenizer().encode(t), args.data)
         engine.warm(stored)
         rng = random.Random(0)
 

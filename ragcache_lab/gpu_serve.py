@@ -113,8 +113,8 @@ def serve_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer
                            "policies": args.serve_policies, "max_batch": max_batch,
                            "request_timeout_s": setting.timeout_s, "rows": []}
     with random_engine(name, device, dtype, tokenizer_dir, work, args, max_batch, max_batch * rows_each) as engine:
-        out["batch_kv_gib"] = round(engine.config.batching.kv_bytes / 2**30, 3)
-        corpus = passages(args.serve_corpus, args.http_passage_tokens, lambda t: engine.builder.tokenizer.encode(t),
+        out["batch_kv_gib"] = round(engine.settings().batching.kv_bytes / 2**30, 3)
+        corpus = passages(args.serve_corpus, args.http_passage_tokens, lambda t: engine.tokenizer().encode(t),
                           args.data)
         engine.warm(corpus)
 

@@ -62,14 +62,15 @@ def run_prefetch(args: argparse.Namespace) -> int:
             for p in prompts:
                 engine.warm(p.chunks, system=p.system)
             engine.generate(prompts[0], {"max_tokens": 1}, policy=args.policy)  # stores the template prefix
-            engine.store.flush()
-            cache_dir = engine.store.disk.directory
+            store = engine.chunk_store()
+            store.flush()
+            cache_dir = engine.health().disk_dir
             for i, prompt in enumerate(track(prompts, description="cold requests", console=console)):
                 for rep in range(args.repeats):
                     order = MODES if (i + rep) % 2 == 0 else MODES[::-1]
                     for mode in order:
-                        engine.config.store.prefetch = mode == "prefetch"
-                        engine.store.ram.clear()
+                        engine.settings().store.prefetch = mode == "prefetch"
+                        store.ram.clear()
                         evict_page_cache(cache_dir)
                         result = engine.generate(prompt, {"max_tokens": 1}, policy=args.policy)
                         s = result.stats

@@ -25,16 +25,13 @@ def measure_costs(engine, text: str, work_dir: Path, repeats: int = 3) -> TokenC
     import torch
 
     from engine_sidecar.store.disk import DiskTier
-    from ragcache_integrations.types import Chunk
 
-    seg = engine.builder.chunk_segment(Chunk(text=text))
-    prefix = engine.builder.prefix_segment("")
-    n = len(seg.token_ids)
     compute = ram = disk = math.inf
     tier = DiskTier(work_dir)
     for i in range(repeats):
         start = time.perf_counter()
-        entry = engine.precompute.compute_chunk_kv(seg, prefix, tenant="calibrate")
+        entry = engine.chunk_kv(text, tenant="calibrate")
+        n = entry.num_tokens
         compute = min(compute, (time.perf_counter() - start) / n)
         start = time.perf_counter()
         torch.cat([entry.keys.clone(), entry.values.clone()])

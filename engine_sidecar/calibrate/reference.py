@@ -102,9 +102,9 @@ def full_reference(engine: Any, prompt: ChunkedPrompt, max_tokens: int) -> dict[
     """Full prefill of the prompt as the engine assembles it, on the engine's runner (the same
     executor and decode as `engine.generate(policy='full')`, nothing cached or read), greedy:
     full's row of the table, plus the reference logits, hidden states and KV."""
-    ids = engine.builder.build(prompt).token_ids
-    ref = full_pass(engine.runner, ids, max_tokens, engine.eos_ids)
-    ref["row"] = {"text": engine.builder.decode(ref["token_ids"]), "first_token": ref["token_ids"][:1],
+    ids = engine.prompt_token_ids(prompt)
+    ref = full_pass(engine.model_runner(), ids, max_tokens, engine.eos_ids)
+    ref["row"] = {"text": engine.decode(ref["token_ids"]), "first_token": ref["token_ids"][:1],
                   "token_ids": ref["token_ids"], "ttft_s": ref["ttft_s"], "computed_fraction": 1.0,
                   "recompute_share": 0.0, "prompt_tokens": len(ids)}
     return ref

@@ -164,10 +164,10 @@ def run_check(model: str, device: str, dtype: str, json_out: Path | None, probe:
     model_dir = resolve_model_dir(model)
     engine = Engine.from_pretrained(model_dir, device=device, dtype=dtype, disk=False, prefix_tree=False)
     with engine:
-        runner = engine.runner
+        runner = engine.model_runner()
         c = runner.config
         # the passages' own tokens (a random model's vocabulary may be smaller than its tokenizer's)
-        ids = torch.tensor([t % c.vocab_size for t in engine.builder.encode(" ".join(PASSAGES))[:96]])
+        ids = torch.tensor([t % c.vocab_size for t in engine.encode(" ".join(PASSAGES))[:96]])
         if len(ids) < 96:
             ids = torch.tensor(kernel_warmup.made_up_ids(96, c.vocab_size, 1))
         guards = [guard_transformers(runner, model_dir, ids), guard_ratio_one(runner, tuple(ids.tolist())),

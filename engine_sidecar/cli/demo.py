@@ -27,7 +27,8 @@ def run_demo(args: argparse.Namespace) -> int:
     for col in ("turn", "chunk hits", "reused", "recomputed", "fresh", "TTFT", "full prefill", "speed-up"):
         table.add_column(col, justify="right")
     with engine_from_args(args) as engine:
-        console.print(f"model {engine.model_dir.name}, {engine.runner.device.type}, {str(engine.runner.dtype)[6:]}")
+        health = engine.health()
+        console.print(f"model {health.model}, {health.device}, {health.dtype}")
         engine.clear_cache()
         for turn, question in enumerate(questions, 1):
             order = passages if turn % 2 else list(reversed(passages))  # retrievers reorder; fusion still hits

@@ -86,8 +86,9 @@ def cmd_warm(args: argparse.Namespace) -> int:
     texts = [Path(f).read_text(encoding="utf-8") for f in args.chunk_file]
     with engine_from_args(args) as engine:
         print(warm_summary(engine.warm_report(texts, neighbours=args.neighbours)))
-        if engine.store.disk is not None:  # a sidecar serving this folder finds them in plain chats
-            warmed_texts.record(engine.store.disk.directory, texts)
+        disk_dir = engine.health().disk_dir
+        if disk_dir is not None:  # a sidecar serving this folder finds them in plain chats
+            warmed_texts.record(disk_dir, texts)
     return 0
 
 

@@ -17,13 +17,12 @@ if TYPE_CHECKING:
 
 
 def banner(engine: Engine, settings: ServerSettings, address: str) -> str:
-    store = engine.store
-    disk = f"disk {store.disk.directory}" if store.disk is not None else "disk off"
-    if store.redis is not None:
-        disk += f", Redis {store.redis.shown_url}"
-    dtype = str(engine.runner.dtype).removeprefix("torch.")
-    return (f"ragcache serving on {address} | model {engine.model_dir} | device {engine.runner.device.type} | "
-            f"dtype {dtype} | tiers: RAM {store.ram.capacity_bytes / (1 << 30):.1f} GiB, {disk} | "
+    health, ram_bytes = engine.health(), engine.stats().store.ram_capacity_bytes
+    disk = f"disk {health.disk_dir}" if health.disk_dir is not None else "disk off"
+    if health.redis_url is not None:
+        disk += f", Redis {health.redis_url}"
+    return (f"ragcache serving on {address} | model {health.model_path} | device {health.device} | "
+            f"dtype {health.dtype} | tiers: RAM {ram_bytes / (1 << 30):.1f} GiB, {disk} | "
             f"auth {'on' if settings.api_key else 'off'} | queue {settings.max_queue}")
 
 

@@ -46,32 +46,23 @@ class QueuedTokens:
 
 
 def _ratio(engine: Engine, tier: str, default: float) -> float:
-    costs = engine.costs
-    load = costs.load.get(tier)
-    if costs.compute is None or load is None or costs.compute <= 0:
-        return default
-    return min(1.0, load / costs.compute)
+    ratio = engine.load_cost_ratio(tier)
+    return default if ratio is None else min(1.0, ratio)
 
 
 def held_chunk_keys(engine: Engine) -> tuple[set[str], set[str]]:
     """Routing keys of the chunk ids whose KV this replica holds in RAM, and on disk only. The
-    store's chunk-id index lists exactly the ids some local tier still holds; ids are already
-    tenant-scoped by the server (server/tenancy.py), as the router's keys are."""
-    store = engine.store
-    ram: set[str] = set()
-    disk: set[str] = set()
-    for chunk_id, digests in store.chunk_id_index().items():
-        if any(d in store.ram for d in digests):
-            ram.add(chunk_key(chunk_id))
-        else:
-            disk.add(chunk_key(chunk_id))
-    return ram, disk - ram
+    store lists exactly the ids some local tier still holds; ids are already tenant-scoped by the
+    server (server/tenancy.py), as the router's keys are."""
+    ram, lower = engine.held_chunk_ids()
+    ram_keys = {chunk_key(c) for c in ram}
+    return ram_keys, {chunk_key(c) for c in lower} - ram_keys
 
 
 def routing_stats(engine: Engine, queued: QueuedTokens, seq: int) -> dict[str, Any]:
     ram, disk = held_chunk_keys(engine)
     return {"version": STATS_VERSION, "seq": seq, "ram": sorted(ram), "disk": sorted(disk),
-            "queued_tokens": queued.value, "redis": engine.store.redis is not None,
+            "queued_tokens": queued.value, "redis": engine.health().redis_url is not None,
             "disk_ratio": _ratio(engine, "disk", DEFAULT_DISK_RATIO),
             "redis_ratio": _ratio(engine, "redis", DEFAULT_REDIS_RATIO)}
 

@@ -9,6 +9,7 @@ take the same lock between steps.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import threading
@@ -16,6 +17,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,21 +28,21 @@ from engine_sidecar.engine.request_prep import RequestPreparer
 from engine_sidecar.engine.scheduler import Scheduler
 from engine_sidecar.engine.sequence import GenerationStream, Sequence
 from engine_sidecar.engine.sequence_steps import SequenceSteps
-from engine_sidecar.engine.split_prefill import SplitPrefill
+from engine_sidecar.engine.split_prefill import PrefixRun, SplitPrefill
 from engine_sidecar.engine.step import PrefillStep
 from engine_sidecar.engine.verify import FirstTokenVerifier
-from engine_sidecar.engine.warm import Pool, WarmReport, warm_chunks
+from engine_sidecar.engine.warm import Pool, WarmReport, neighbour_index, warm_chunks
 from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.execution.batched_decode import decode_batch
 from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.calibration import resolve as fused_temperatures
 from engine_sidecar.execution.costs import CostMeter
-from engine_sidecar.execution.decode_graphs import decode_graphs
+from engine_sidecar.execution.decode_graphs import DecodeGraphs, decode_graphs
 from engine_sidecar.execution.kernel_warmup import warm_kernels
 from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import Policy, parse_policy
-from engine_sidecar.execution.prefill_graphs import load_first_layers, prefill_graphs
+from engine_sidecar.execution.prefill_graphs import PrefillGraphs, load_first_layers, prefill_graphs
 from engine_sidecar.model.prepare import resolve_model_dir
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.paths import default_cache_dir
@@ -51,10 +53,12 @@ from engine_sidecar.request.reorder import ChunkAccessTable
 from engine_sidecar.reuse.commit import ReuseWriter
 from engine_sidecar.reuse.conversation import ConversationStore
 from engine_sidecar.reuse.cptree import CPTree
+from engine_sidecar.reuse.neighbours import NeighbourIndex
 from engine_sidecar.reuse.plan_stage import PlanStage
 from engine_sidecar.reuse.planner import PlannedRequest
 from engine_sidecar.reuse.precompute import Precomputer
-from engine_sidecar.store.chunk_store import ChunkStore
+from engine_sidecar.store.chunk_store import ChunkStore, StoreStats
+from engine_sidecar.store.entry import ChunkKV
 from engine_sidecar.store.redis_tier import RedisTier
 from ragcache_integrations.policy_registry import DEFAULT_POLICY
 from ragcache_integrations.types import (
@@ -67,11 +71,50 @@ from ragcache_integrations.types import (
 
 log = logging.getLogger("ragcache.engine")
 
+# What code outside engine/ may touch on an Engine (tests/project/test_engine_api.py checks every
+# tool against it): requests, probes, warm-ups and housekeeping, reads that return plain data,
+# and a few named accessors to deep parts for checks and benchmarks, each saying what it is for.
+PUBLIC_API = frozenset({
+    "from_pretrained", "from_runner", "close",
+    "generate", "stream", "stream_chat",
+    "prefill_logits", "teacher_forced_logits", "measure_full_prefill",
+    "warm", "warm_report", "wait_background", "neighbour_pool", "chunk_kv", "clear_cache",
+    "split_prefix", "split_learn",
+    "health", "stats", "held_chunk_ids", "load_cost_ratio",
+    "eos_ids", "max_context", "model_dir", "num_layers", "encode", "decode", "prompt_token_ids",
+    "model_runner", "tokenizer", "chunk_store", "settings", "use_prefill_graphs", "decode_graphs",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineHealth:
+    """What the engine is and whether it still serves (/health, banners): plain values."""
+
+    failure: str | None  # why the scheduler stopped on a fault; None while it serves
+    model: str  # the model folder's name
+    model_path: str
+    device: str  # "cpu" | "cuda"
+    dtype: str  # "bfloat16", "float32", ...
+    max_context: int
+    disk_dir: Path | None  # the disk tier's folder; None without one
+    redis_url: str | None  # the Redis tier, its password hidden; None without one
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """One consistent snapshot of what the engine holds (/stats, /metrics)."""
+
+    store: StoreStats
+    conversations: int  # kept conversations, all tenants
+    cptree_nodes: int
+    waiting: int  # sequences queued for the scheduler
+    running: int  # sequences it is decoding
+
 
 class Engine:
     def __init__(self, runner: ModelRunner, builder: PromptBuilder, store: ChunkStore, config: EngineConfig,
                  model_dir: Path):
-        self.runner, self.builder, self.store, self.config, self.model_dir = runner, builder, store, config, model_dir
+        self.runner, self.builder, self.store, self.config, self._model_dir = runner, builder, store, config, model_dir
         self.model_fp = model_fingerprint(model_dir, runner.dtype)
         self.tokenizer_fp = tokenizer_fingerprint(model_dir, builder.chat_template)
         self.keys = KeyFactory(self.model_fp, self.tokenizer_fp, config.reuse.convention)
@@ -161,6 +204,105 @@ class Engine:
     def max_context(self) -> int:
         return self.runner.config.max_position_embeddings
 
+    @property
+    def model_dir(self) -> Path:
+        """The model's folder: weights, tokenizer and chat template."""
+        return self._model_dir
+
+    @property
+    def num_layers(self) -> int:
+        return self.runner.num_layers
+
+    def health(self) -> EngineHealth:
+        """What the engine runs and whether its scheduler still serves. Takes no lock: /health
+        answers while a long step runs, and every value read is set once or swapped whole."""
+        store = self.store
+        return EngineHealth(failure=self.scheduler.failure, model=self._model_dir.name, model_path=str(self._model_dir),
+                            device=self.runner.device.type, dtype=str(self.runner.dtype).removeprefix("torch."),
+                            max_context=self.max_context,
+                            disk_dir=store.disk.directory if store.disk is not None else None,
+                            redis_url=store.redis.shown_url if store.redis is not None else None)
+
+    def stats(self) -> EngineStats:
+        """The store's counters, the kept conversations and the CP-Tree's size. Read without the
+        engine lock, so /metrics and /v1/cache/stats answer while a long step runs: a read that
+        races the stepping thread's writes (a dict changing size, a disk file going away) raises,
+        and reading again is enough."""
+        def read() -> EngineStats:
+            return EngineStats(store=self.store.stats(), conversations=len(self.conversations),
+                               cptree_nodes=self.cptree.nodes(), waiting=self.scheduler.waiting,
+                               running=self.scheduler.running)
+
+        for _ in range(3):
+            try:
+                return read()
+            except (RuntimeError, OSError):
+                continue
+        with self._lock:  # the stepping thread kept winning the race: wait for the step to end
+            return read()
+
+    def held_chunk_ids(self) -> tuple[set[str], set[str]]:
+        """Chunk ids whose KV this engine holds in RAM, and those it holds only in a lower tier
+        (host RAM, disk): what a replica tells the router. The store's own lock guards its index,
+        and the engine's is not taken: a replica asks on its event loop for every request."""
+        ram: set[str] = set()
+        lower: set[str] = set()
+        for chunk_id, digests in self.store.chunk_id_index().items():
+            (ram if any(d in self.store.ram for d in digests) else lower).add(chunk_id)
+        return ram, lower
+
+    def load_cost_ratio(self, tier: str) -> float | None:
+        """Measured per-token cost of loading KV from `tier` ("ram", "disk", "redis") over that
+        of computing it; None until both have been seen."""
+        costs = self.costs
+        load = costs.load.get(tier)
+        if costs.compute is None or load is None or costs.compute <= 0:
+            return None
+        return load / costs.compute
+
+    # --- tokens ------------------------------------------------------------------------------
+    def encode(self, text: str) -> tuple[int, ...]:
+        """The text's token ids as a passage in a prompt gets them (no special tokens)."""
+        return self.builder.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.builder.decode(token_ids)
+
+    def prompt_token_ids(self, prompt: ChunkedPrompt) -> list[int]:
+        """The whole prompt's token ids as this engine assembles it (template, chunks, question)."""
+        return list(self.builder.build(prompt).token_ids)
+
+    # --- accessors for checks and benchmarks -------------------------------------------------
+    def model_runner(self) -> ModelRunner:
+        """The loaded model, for checks and benchmarks that run it outside any request (a full
+        reference pass, kernel and graph guards); requests go through generate/stream."""
+        return self.runner
+
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer, for tools that count tokens its own way."""
+        return self.builder.tokenizer
+
+    def chunk_store(self) -> ChunkStore:
+        """The chunk store and its tiers, for benchmarks that rearrange or empty tiers between
+        measurements; serving code reads `stats()` and `health()` instead."""
+        return self.store
+
+    def settings(self) -> EngineConfig:
+        """The settings the engine reads as it runs: a benchmark may switch a per-request one
+        (`store.prefetch`) between measurements."""
+        return self.config
+
+    def use_prefill_graphs(self, graphs: PrefillGraphs | None) -> PrefillGraphs | None:
+        """Prefill with these CUDA graphs from now on (None: op by op); returns the ones before,
+        so a benchmark can compare and put them back."""
+        with self._lock:
+            before, self.prefill_stage.graphs = self.prefill_stage.graphs, graphs
+            return before
+
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """The CUDA graphs batched decode replays (their replay and capture counters), if any."""
+        return self.scheduler.graphs
+
     # --- precompute --------------------------------------------------------------------------
     def warm(self, chunks: list[Chunk | str], system: str | None = None, tenant: str = "", neighbours: int = 0,
              pool: Pool = None) -> int:
@@ -173,6 +315,16 @@ class Engine:
         """`warm` with what it did and cost; `neighbours` None: two where the pool (default: these
         chunks) has passages to choose from, as the server and the `ragcache warm` command do."""
         return warm_chunks(self.builder, self.prep, self.precompute, chunks, system, tenant, neighbours, pool)
+
+    def neighbour_pool(self, chunks: list[Chunk] | list[str]) -> NeighbourIndex:
+        """The pool a warm-up of `chunks` chooses each one's neighbours from (`warm_report`'s `pool`)."""
+        return neighbour_index(self.builder, chunks)
+
+    def chunk_kv(self, text: str, tenant: str = "") -> ChunkKV:
+        """A passage's KV computed alone after the empty system prompt and stored nowhere: what
+        one chunk costs to compute (calibration)."""
+        return self.precompute.compute_chunk_kv(self.builder.chunk_segment(Chunk(text=text)),
+                                                self.builder.prefix_segment(""), tenant)
 
     def wait_background(self) -> None:
         """Block until background precompute work queued so far is stored."""
@@ -211,6 +363,14 @@ class Engine:
     def measure_full_prefill(self, prompt: ChunkedPrompt | dict) -> float:
         """Seconds an ordinary full prefill of this prompt takes now, touching no cache (probes.py)."""
         return self.probes.measure_full_prefill(prompt)
+
+    def split_prefix(self, prompt: ChunkedPrompt | dict, policy: str | Policy, tenant: str, upto: int) -> PrefixRun:
+        """A prefill shared with vLLM: ragcache's leading spans, up to token `upto` (split_prefill.py)."""
+        return self.split.prefix(prompt, policy, tenant, upto)
+
+    def split_learn(self, run: PrefixRun, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store what ragcache learns from vLLM's KV of a prompt `split_prefix` laid out."""
+        self.split.learn(run, keys, values)
 
     def stream_chat(self, messages: list[dict[str, str]], sampling: SamplingParams | dict | None = None,
                     tenant: str = "") -> GenerationStream:

@@ -39,7 +39,7 @@ def create_app(engine: Engine | ServingBackend, settings: ServerSettings | None 
     settings = settings or ServerSettings()
     worker = EngineWorker(settings.max_queue)
     backend = as_backend(engine)
-    ctx = ServerContext(backend, worker, ServerMetrics(backend.store, worker), settings)
+    ctx = ServerContext(backend, worker, ServerMetrics(backend, worker), settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

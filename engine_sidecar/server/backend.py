@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine_sidecar.engine.sequence import GenerationStream
-from engine_sidecar.engine.warm import WarmReport, auto_neighbours, neighbour_index
+from engine_sidecar.engine.warm import WarmReport, auto_neighbours
 from engine_sidecar.server.errors import ApiError
 from ragcache_integrations.api_models import CacheStats
 from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, SamplingParams
 
 if TYPE_CHECKING:
     from engine_sidecar.engine.engine import Engine
-    from engine_sidecar.store.chunk_store import ChunkStore
+    from engine_sidecar.store.chunk_store import StoreStats
 
 Event = Any  # a generation yields str deltas then a GenerationResult; warm yields counts
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +37,22 @@ class EngineFacts:
     dtype: str
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreFacts:
+    """The chunk store this process holds, as /metrics and the passage memory see it."""
+
+    disk_dir: Path | None  # where `ragcache warm` records the passages it computed; None: no disk tier
+    redis: bool
+
+
 class ServingBackend(Protocol):
     name: str  # "ragcache" | "vllm"
 
-    @property
-    def store(self) -> ChunkStore | None: ...  # the chunk store this process holds (metrics), if any
+    # the chunk store this process holds and its counters (/metrics); None where it holds none
+    # (vLLM's is in vLLM's worker process)
+    def store_facts(self) -> StoreFacts | None: ...
+
+    def store_stats(self) -> StoreStats | None: ...
 
     def facts(self) -> EngineFacts: ...
 
@@ -75,17 +86,6 @@ def stream_events(stream: GenerationStream) -> Iterator[Event]:
     yield stream.result
 
 
-def _read_racing(read: Callable[[], T], fallback: T, attempts: int = 3) -> T:
-    # Stats read structures the engine thread mutates (dicts, the disk folder) without a lock
-    # shared with us; a read that races a write raises, and simply reading again is enough.
-    for _ in range(attempts):
-        try:
-            return read()
-        except (RuntimeError, OSError):
-            continue
-    return fallback
-
-
 class EngineBackend:
     """ragcache's own engine, in this process."""
 
@@ -94,18 +94,21 @@ class EngineBackend:
     def __init__(self, engine: Engine):
         self.engine = engine  # None only when the app is built for its OpenAPI schema alone
 
-    @property
-    def store(self) -> ChunkStore | None:
-        return self.engine.store if self.engine is not None else None
+    def store_facts(self) -> StoreFacts | None:
+        if self.engine is None:
+            return None
+        health = self.engine.health()
+        return StoreFacts(health.disk_dir, health.redis_url is not None)
+
+    def store_stats(self) -> StoreStats | None:
+        return self.engine.stats().store if self.engine is not None else None
 
     def facts(self) -> EngineFacts:
-        engine = self.engine
-        failure = engine.scheduler.failure
-        if failure is not None:  # /health must not say "ok" while every request would wait in vain
-            raise ApiError(503, f"the engine's scheduler stopped on a fault ({failure}); restart the server",
+        health = self.engine.health()
+        if health.failure is not None:  # /health must not say "ok" while every request would wait in vain
+            raise ApiError(503, f"the engine's scheduler stopped on a fault ({health.failure}); restart the server",
                            None, "engine_failed")
-        return EngineFacts(engine.model_dir.name, str(engine.model_dir), engine.max_context,
-                           engine.runner.device.type, str(engine.runner.dtype).removeprefix("torch."))
+        return EngineFacts(health.model, health.model_path, health.max_context, health.device, health.dtype)
 
     def check_policy(self, policy: str) -> None:
         return  # every policy of the grammar (guards.check_policy checked it first)
@@ -124,29 +127,27 @@ class EngineBackend:
     def neighbour_pool(self, chunks: list[Chunk], neighbours: int | None) -> tuple[int, Callable[[], Any]]:
         if neighbours is None:
             neighbours = auto_neighbours(len({c.text for c in chunks}))
-        return neighbours, (lambda: neighbour_index(self.engine.builder, chunks)) if neighbours else (lambda: None)
+        return neighbours, (lambda: self.engine.neighbour_pool(chunks)) if neighbours else (lambda: None)
 
     def clear_cache(self, chunk_id: str | None, tenant: str | None) -> int:
         return self.engine.clear_cache(chunk_id, tenant)
 
     def cache_stats(self) -> CacheStats:
-        engine = self.engine
-        store = _read_racing(engine.store.stats, None)
-        return CacheStats(**(dataclasses.asdict(store) if store is not None else {}),
-                          conversations=_read_racing(lambda: len(engine.conversations), 0),
-                          cptree_nodes=_read_racing(engine.cptree.nodes, 0))
+        stats = self.engine.stats()
+        return CacheStats(**dataclasses.asdict(stats.store), conversations=stats.conversations,
+                          cptree_nodes=stats.cptree_nodes)
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
 
 
-def as_backend(engine: Engine | ServingBackend | None) -> ServingBackend:
+def as_backend(target: Engine | ServingBackend | None) -> ServingBackend:
     """create_app takes an Engine (tests, replicas) or a ready backend."""
-    if engine is not None and hasattr(engine, "facts") and hasattr(engine, "check_policy"):
-        return engine  # type: ignore[return-value]
-    return EngineBackend(engine)  # type: ignore[arg-type]
+    if target is not None and hasattr(target, "facts") and hasattr(target, "check_policy"):
+        return target  # type: ignore[return-value]
+    return EngineBackend(target)  # type: ignore[arg-type]
 
 
-__all__ = ["EngineBackend", "EngineFacts", "Event", "GenerationResult", "ServingBackend", "as_backend",
+__all__ = ["EngineBackend", "EngineFacts", "Event", "GenerationResult", "ServingBackend", "StoreFacts", "as_backend",
            "stream_events"]

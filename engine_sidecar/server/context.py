@@ -24,10 +24,10 @@ class ServerContext:
 
     def __post_init__(self) -> None:
         self.passages = PassageBook(self.settings.remember_passages, self.settings.passage_memory_bytes)
-        store = self.backend.store
-        if store is not None and store.disk is not None:  # what `ragcache warm` computed into this folder
+        store = self.backend.store_facts()
+        if store is not None and store.disk_dir is not None:  # what `ragcache warm` computed into this folder
             by_tenant: dict[str, list[Chunk]] = {}
-            for tenant, text in warmed_texts.read(store.disk.directory, self.settings.remember_passages * 4):
+            for tenant, text in warmed_texts.read(store.disk_dir, self.settings.remember_passages * 4):
                 by_tenant.setdefault(tenant, []).append(Chunk(text=text))
             for tenant, chunks in by_tenant.items():
                 self.passages.remember(chunks, tenant)

@@ -15,8 +15,8 @@ from ragcache_integrations.types import GenerationResult
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+    from engine_sidecar.server.backend import ServingBackend
     from engine_sidecar.server.worker import EngineWorker
-    from engine_sidecar.store.chunk_store import ChunkStore
 
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 600)
@@ -36,8 +36,11 @@ _REDIS_EVENTS = {"hit": "hits_redis", "miss": "redis_misses", "corrupt": "redis_
 
 
 class ServerMetrics:
-    def __init__(self, store: ChunkStore | None, worker: EngineWorker):
-        self.store, self.worker = store, worker  # no store: vLLM holds the chunk KV (--engine vllm)
+    def __init__(self, backend: ServingBackend | None, worker: EngineWorker):
+        # no backend: only the OpenAPI schema is built; no store facts: vLLM holds the chunk KV
+        self.backend, self.worker = backend, worker
+        store = backend.store_facts() if backend is not None else None
+        self.redis = store is not None and store.redis
         self.registry = r = CollectorRegistry()
         self.requests = Counter("ragcache_requests", "HTTP responses by route and status", ["route", "status"],
                                 registry=r)
@@ -76,8 +79,7 @@ class ServerMetrics:
                                     "skipped (not called: breaker open), write, write_dropped (write queue full)",
                                     ["event"], registry=r)
         self._redis_seen: dict[str, int] = {}
-        # no store when only the OpenAPI schema is built (tests/server/test_server_schema_fuzz.py)
-        if store is not None and store.redis is not None:
+        if self.redis:
             for event in _REDIS_EVENTS:
                 self.redis_events.labels(event)
         self.verify = Counter("ragcache_verify", "Requests checked against full prefill (--verify-fraction) by "
@@ -117,11 +119,8 @@ class ServerMetrics:
         self.hit_ratio.set(self._hits / self._lookups if self._lookups else 0.0)
 
     def render(self) -> bytes:
-        """Call it off the event loop (it reads structures the engine thread changes)."""
-        try:
-            store = self.store.stats() if self.store is not None else None
-        except OSError:  # a disk entry vanished mid-walk (eviction, clear): keep the last values
-            store = None
+        """Call it off the event loop (the store's counters are read between engine steps)."""
+        store = self.backend.store_stats() if self.backend is not None else None
         if store is not None:
             self.store_bytes.labels("ram").set(store.ram_bytes)
             self.store_bytes.labels("disk").set(store.disk_bytes)
@@ -135,7 +134,7 @@ class ServerMetrics:
                                  ("write_dropped", store.disk_writes_dropped)):
                 self.disk_events.labels(event).inc(max(0, count - self._disk_seen.get(event, 0)))
                 self._disk_seen[event] = count
-            if self.store is not None and self.store.redis is not None:
+            if self.redis:
                 for event, field in _REDIS_EVENTS.items():
                     count = getattr(store, field)
                     self.redis_events.labels(event).inc(max(0, count - self._redis_seen.get(event, 0)))

@@ -306,7 +306,7 @@ class RagcacheConnector(KVConnectorBase_V1):
     def _load(self, load: LoadRequest) -> None:
         params = _params(load.params)
         end = load.start + load.count
-        run = self._worker_engine().split.prefix(params.prompt, params.policy, params.tenant, upto=end)
+        run = self._worker_engine().split_prefix(params.prompt, params.policy, params.tenant, upto=end)
         if run.result is None or run.end < end or run.token_ids[:end] != load.token_ids[:end]:
             raise RuntimeError("ragcache's plan does not cover the claimed tokens of this prompt")
         slots = torch.tensor(slot_mapping(load.block_ids, self.block_size, load.start, end), dtype=torch.long)
@@ -342,7 +342,7 @@ class RagcacheConnector(KVConnectorBase_V1):
     def _learn(self, save: SaveRequest) -> None:
         params = _params(save.params)
         engine = self._worker_engine()
-        run, supplied = self._runs.get(save.req_id) or (engine.split.prefix(params.prompt, params.policy,
+        run, supplied = self._runs.get(save.req_id) or (engine.split_prefix(params.prompt, params.policy,
                                                                             params.tenant, upto=0), 0)
         n = len(save.token_ids)
         if run.token_ids != save.token_ids:
@@ -351,19 +351,19 @@ class RagcacheConnector(KVConnectorBase_V1):
         layers = sorted((int(m.group(1)), name) for name in self._caches if (m := _LAYER_INDEX.search(name)))
         keys, values = zip(*(self._layout_for(name).read(_one(self._caches[name]), slots) for _, name in layers),
                            strict=True)
-        engine.split.learn(run, torch.stack(keys), torch.stack(values))
+        engine.split_learn(run, torch.stack(keys), torch.stack(values))
         chunks = [s for s in run.planned.plan.spans if s.kind == "chunk"]
         self._report.resident |= {residency_key(params.tenant, s.token_ids) for s in chunks}
         stats = {"supplied_tokens": supplied, "prompt_tokens": n, "chunk_hits": run.chunk_hits,
                  "chunks": len(chunks), "policy": params.policy,
-                 "ragcache_token_layers": run.token_layers, "layers": engine.runner.num_layers}
+                 "ragcache_token_layers": run.token_layers, "layers": engine.num_layers}
         self._report.stats[save.req_id] = stats
         if self.stats_path:
             with open(self.stats_path, "a", encoding="utf-8") as out:
                 out.write(json.dumps({"request_id": save.req_id, **stats}) + "\n")
         log.info("request %s: ragcache supplied %d tokens (policy %s, chunk hits %d, computed %.3f)",
                  save.req_id, supplied, params.policy, run.chunk_hits,
-                 run.token_layers / max(1, n * engine.runner.num_layers))
+                 run.token_layers / max(1, n * engine.num_layers))
 
     def _layout_for(self, name: str) -> CacheLayout:
         cache = _one(self._caches[name])

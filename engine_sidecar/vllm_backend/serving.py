@@ -39,7 +39,6 @@ VLLM_POLICIES = ("full", "prefix", "reuse", "cacheblend", "epic", "cachetune")
 
 class VllmBackend:
     name = "vllm"
-    store = None  # the chunk store lives in vLLM's worker process
 
     def __init__(self, process: VllmProcess, layout: VllmLayout, stats: ConnectorStats, dtype: str,
                  ram_cache_gb: float, request_timeout_s: float, max_queue: int):
@@ -50,6 +49,12 @@ class VllmBackend:
         self._hits = self._misses = 0  # chunk lookups the connector reported (GET /v1/cache/stats)
 
     # --- facts and checks ---------------------------------------------------------------------
+    def store_facts(self) -> None:
+        return None  # the chunk store lives in vLLM's worker process
+
+    def store_stats(self) -> None:
+        return None
+
     def facts(self) -> EngineFacts:
         self._check_alive()
         model = self.process.model_dir

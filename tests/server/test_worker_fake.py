@@ -187,11 +187,16 @@ class FakeBackend:
     """A ServingBackend answering `/v1/generate` from `script` (question -> job) with no engine."""
 
     name = "ragcache"
-    store = None
 
     def __init__(self, script: dict[str, Callable[[SamplingParams, str], Iterator[Event]]] | None = None):
         self.script = script or {}
         self.failure: str | None = None
+
+    def store_facts(self) -> None:
+        return None
+
+    def store_stats(self) -> None:
+        return None
 
     def facts(self) -> EngineFacts:
         if self.failure is not None:
