@@ -135,6 +135,26 @@ def _append_rows_kernel(
     tl.store(value + row + offs, tl.load(V_NEW + src, mask=ok), mask=ok)
 
 
+@triton.jit
+def online_softmax_tile(q, k, v, n_ok, acc, m_i, l_i, qk_scale, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """One key/value tile folded into a running softmax (exp2 domain, fp32 statistics): the
+    group's queries `q` [G, D] against `k`, `v` [N, D], rows where `n_ok` is false ignored.
+    Returns the updated (acc, max, normaliser)."""
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    scores = tl.where(n_ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["batch", "layer", "num_splits", "stride_ps", "stride_ms"])
 def _decode_attention_kernel(
     TABLE, Q, OUT, PART_ACC, PART_ML, batch, layer, num_splits, qk_scale, stride_qb, stride_ob, stride_ps,
@@ -185,20 +205,7 @@ def _decode_attention_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(keys + at, mask=kv_mask, other=0.0)
         v = tl.load(values + at, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        scores = tl.where(n_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_tile(q, k, v, n_ok, acc, m_i, l_i, qk_scale, DOT_FP32, PRECISION)
     store_mask = g_ok[:, None] & d_ok[None, :]
     if SPLIT:
         part = split.to(tl.int64) * stride_ps + b.to(tl.int64) * stride_pb

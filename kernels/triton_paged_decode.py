@@ -33,7 +33,7 @@ from ragcache_kernels.triton_attention import (
     merge_splits_kernel,
     multiprocessors,
 )
-from ragcache_kernels.triton_decode import default_block_n
+from ragcache_kernels.triton_decode import default_block_n, online_softmax_tile
 
 # No window: a sequence's first visible row is max(length - NO_WINDOW, 0) = 0 for any int32
 # length, so windowed and unwindowed launches share one compiled kernel.
@@ -46,7 +46,6 @@ def _attend_tiles(q, table, K_BLOCKS, V_BLOCKS, lo, hi, kv_head, qk_scale, strid
                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
                   PRECISION: tl.constexpr):
     """(acc [BLOCK_G, BLOCK_D], max, normaliser) of the group's queries over rows [lo, hi)."""
-    dtype = K_BLOCKS.dtype.element_ty
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -62,20 +61,7 @@ def _attend_tiles(q, table, K_BLOCKS, V_BLOCKS, lo, hi, kv_head, qk_scale, strid
         v_at = block * stride_vb + offset * stride_vr + kv_head * stride_vh
         k = tl.load(K_BLOCKS + k_at[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V_BLOCKS + v_at[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        scores = tl.where(n_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-        else:
-            pv = tl.dot(p.to(dtype), v, input_precision=PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_tile(q, k, v, n_ok, acc, m_i, l_i, qk_scale, DOT_FP32, PRECISION)
     return acc, m_i, l_i
 
 
