@@ -27,7 +27,6 @@ from rich.progress import track
 from engine_sidecar.calibrate.datasets import chunk_texts
 from engine_sidecar.calibrate.metrics import agreement_and_kl, rouge_l
 from engine_sidecar.calibrate.reference import capture_last_hidden, full_pass, full_reference, prefill_hidden
-from engine_sidecar.engine.warm import neighbour_index
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.policies import Policy
 from engine_sidecar.model.runner import ModelRunner
@@ -180,15 +179,15 @@ def _start_measuring(args: argparse.Namespace, engine: Any, records: list[dict[s
         from transformers import AutoModelForCausalLM
 
         measuring.hf_model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir),
-                                                                  dtype=engine.runner.dtype).eval()
-    if engine.prep.temperatures:
-        fitted = ", ".join(f"{name} T={t:g}" for name, t in sorted(engine.prep.temperatures.items()))
+                                                                  dtype=engine.model_runner().dtype).eval()
+    if temperatures := engine.attention_temperatures():
+        fitted = ", ".join(f"{name} T={t:g}" for name, t in sorted(temperatures.items()))
         console.print(f"a policy without :temp<T> runs with this model's attention temperature ({fitted}; "
                       "--fused-temperature off for none)", markup=False)
     if getattr(args, "noise_floor", False):
         # full prefill in the other precision: the same weights, no cache
-        other = "bfloat16" if engine.runner.dtype == torch.float32 else "float32"
-        measuring.noise = ModelRunner.load(engine.model_dir, device=str(engine.runner.device), dtype=other)
+        other = "bfloat16" if engine.model_runner().dtype == torch.float32 else "float32"
+        measuring.noise = ModelRunner.load(engine.model_dir, device=str(engine.model_runner().device), dtype=other)
         measuring.noise_name = f"full@{'bf16' if other == 'bfloat16' else 'fp32'}"
     # first-request costs off the clock, on text outside the data set: a passage of the set
     # would be stored in place here and reused exactly by its question
@@ -197,7 +196,7 @@ def _start_measuring(args: argparse.Namespace, engine: Any, records: list[dict[s
     if getattr(args, "chunk_kv", "precomputed") == "neighbours":
         # the corpus: every passage of the measured records, not only the K each question uses
         corpus = [text for rec in records for text in chunk_texts(rec, len(rec["ctxs"]))]
-        measuring.neighbours = (args.neighbours, neighbour_index(engine.builder, corpus))
+        measuring.neighbours = (args.neighbours, engine.neighbour_pool(corpus))
     return measuring
 
 
@@ -284,7 +283,7 @@ def _diagnose(args: argparse.Namespace, plan: RunPlan, measuring: _Measuring, pr
     if measuring.noise is not None:
         noise_floor(measuring.noise, engine, prompt, row, reference, measuring.noise_name, args.max_tokens)
     if measuring.hf_model is not None:
-        ids = engine.builder.build(prompt).token_ids
+        ids = engine.prompt_token_ids(prompt)
         row["transformers_prefill_s"] = _transformers_prefill_s(measuring.hf_model, ids)
 
 
@@ -356,7 +355,7 @@ def teacher_forced(engine: Any, prompt: ChunkedPrompt, row: dict[str, Any], poli
     if not answer:
         return
     ref_logprobs = reference["logits"].log_softmax(-1)
-    layers = engine.runner.num_layers
+    layers = engine.model_runner().num_layers
     for policy in policies:
         if policy == "full":
             target = row["policies"][policy]
@@ -364,7 +363,7 @@ def teacher_forced(engine: Any, prompt: ChunkedPrompt, row: dict[str, Any], poli
         else:
             stamps: list[float] = []
             spec = make_policy(policy, reference)
-            with capture_last_hidden(engine.runner, stamps) as captured:
+            with capture_last_hidden(engine.model_runner(), stamps) as captured:
                 started = time.perf_counter()
                 logits, stats = engine.teacher_forced_logits(prompt, answer[:-1], policy=spec)
             logprobs, hidden = logits.float().log_softmax(-1), prefill_hidden(captured, layers)
@@ -388,10 +387,10 @@ def noise_floor(runner: Any, engine: Any, prompt: ChunkedPrompt, row: dict[str, 
     """Full prefill in the other precision (`runner`): its own greedy answer (ROUGE-L and first
     token vs full's), then teacher-forced along full's answer (agreement, KL) and its per-layer
     hidden state against full's: how much of a policy's deviation precision alone produces."""
-    ids = engine.builder.build(prompt).token_ids
+    ids = engine.prompt_token_ids(prompt)
     answer = row["policies"]["full"]["token_ids"]
     other = full_pass(runner, ids, max_tokens, engine.eos_ids, follow=answer[:-1] if answer else None)
-    entry: dict[str, Any] = {"text": engine.builder.decode(other["token_ids"]), "first_token": other["token_ids"][:1],
+    entry: dict[str, Any] = {"text": engine.decode(other["token_ids"]), "first_token": other["token_ids"][:1],
                              "token_ids": other["token_ids"], "ttft_s": other["ttft_s"], "computed_fraction": 1.0,
                              "recompute_share": 0.0, "prompt_tokens": len(ids)}
     if answer:

@@ -14,4 +14,4 @@ PROMPT = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
 def plan_of(engine, prompt: ChunkedPrompt, policy):
     """The FusionPlan the engine would run for `prompt` under `policy` (nothing computed yet)."""
     prompt, _, pol = engine.prep.prepare(prompt, None, policy, "preserve", "")
-    return engine.planning.plan(prompt, pol, "").plan
+    return engine.cache.plan(prompt, pol, "").plan

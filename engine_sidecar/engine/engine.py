@@ -1,9 +1,11 @@
-"""The engine object: model runner + tokenizer + chunk store + planner + executor + decode.
+"""The engine object: the model runner and tokenizer, the reuse cache (reuse/cache.py: chunk store,
+CP-Tree, variants, conversations, CA-Table) and the scheduler.
 
 It is the only stateful object in the sidecar; everything it hands between stages is plain data.
-Generation requests become Sequences that the Scheduler serves in batches (one prefill or one
-batched decode step at a time, under the engine's lock); warm-ups, clears and fidelity probes
-take the same lock between steps.
+Generation requests become Sequences that the Scheduler serves in steps (prefills within a token
+budget, then one batched decode step, under the engine's lock); a sequence's prefill is
+sequence_steps.py's `begin`: plan from the cache, prefill, first token, commit. Warm-ups, clears
+and fidelity probes take the same lock between steps.
 """
 
 from __future__ import annotations
@@ -29,14 +31,11 @@ from engine_sidecar.engine.scheduler import Scheduler
 from engine_sidecar.engine.sequence import GenerationStream, Sequence
 from engine_sidecar.engine.sequence_steps import SequenceSteps
 from engine_sidecar.engine.split_prefill import PrefixRun, SplitPrefill
-from engine_sidecar.engine.step import PrefillStep
 from engine_sidecar.engine.verify import FirstTokenVerifier
 from engine_sidecar.engine.warm import Pool, WarmReport, neighbour_index, warm_chunks
 from engine_sidecar.engine_config import EngineConfig
 from engine_sidecar.execution.batched_decode import decode_batch
-from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.calibration import resolve as fused_temperatures
-from engine_sidecar.execution.costs import CostMeter
 from engine_sidecar.execution.decode_graphs import DecodeGraphs, decode_graphs
 from engine_sidecar.execution.kernel_warmup import warm_kernels
 from engine_sidecar.execution.kv_pool import KVPool
@@ -49,14 +48,9 @@ from engine_sidecar.paths import default_cache_dir
 from engine_sidecar.request.fingerprint import model_fingerprint, tokenizer_fingerprint, weights_fingerprint
 from engine_sidecar.request.keys import KeyFactory
 from engine_sidecar.request.prompt import PromptBuilder
-from engine_sidecar.request.reorder import ChunkAccessTable
-from engine_sidecar.reuse.commit import ReuseWriter
-from engine_sidecar.reuse.conversation import ConversationStore
-from engine_sidecar.reuse.cptree import CPTree
+from engine_sidecar.reuse.cache import ReuseCache
 from engine_sidecar.reuse.neighbours import NeighbourIndex
-from engine_sidecar.reuse.plan_stage import PlanStage
 from engine_sidecar.reuse.planner import PlannedRequest
-from engine_sidecar.reuse.precompute import Precomputer
 from engine_sidecar.store.chunk_store import ChunkStore, StoreStats
 from engine_sidecar.store.entry import ChunkKV
 from engine_sidecar.store.redis_tier import RedisTier
@@ -83,6 +77,7 @@ PUBLIC_API = frozenset({
     "health", "stats", "held_chunk_ids", "load_cost_ratio",
     "eos_ids", "max_context", "model_dir", "num_layers", "encode", "decode", "prompt_token_ids",
     "model_runner", "tokenizer", "chunk_store", "settings", "use_prefill_graphs", "decode_graphs",
+    "attention_temperatures",
 })
 
 
@@ -114,41 +109,28 @@ class EngineStats:
 class Engine:
     def __init__(self, runner: ModelRunner, builder: PromptBuilder, store: ChunkStore, config: EngineConfig,
                  model_dir: Path):
-        self.runner, self.builder, self.store, self.config, self._model_dir = runner, builder, store, config, model_dir
+        self.runner, self.builder, self.config, self._model_dir = runner, builder, config, model_dir
         self.model_fp = model_fingerprint(model_dir, runner.dtype)
         self.tokenizer_fp = tokenizer_fingerprint(model_dir, builder.chat_template)
-        self.keys = KeyFactory(self.model_fp, self.tokenizer_fp, config.reuse.convention)
         self._lock = threading.RLock()
-        self.access_table = ChunkAccessTable(config.reuse.ca_window)
-        talks = config.conversations
-        self.conversations = ConversationStore(talks.ttl_s, talks.max_tokens, talks.max_count, talks.ram_bytes)
-        self.variants = VariantIndex(config.reuse.cachecraft_variants_per_chunk, config.reuse.cachecraft_max_chunks)
-        self.costs = CostMeter()
-        self.prefill_stage = PrefillStage(runner, store, self.costs,
+        keys = KeyFactory(self.model_fp, self.tokenizer_fp, config.reuse.convention)
+        self.cache = ReuseCache(runner, builder, store, keys, config, self._lock)
+        self.prefill_stage = PrefillStage(runner, store, self.cache.costs,
                                           prefill_graphs(runner, config.batching.prefill_graphs, self.max_context))
-        store.on_disk_load = lambda seconds, tokens: self.costs.observe_load("disk", seconds, tokens)
-        store.on_redis_load = lambda seconds, tokens: self.costs.observe_load("redis", seconds, tokens)
-        self.cptree = CPTree(lambda node: self.store.contains(self.keys.for_node(node)),
-                            config.reuse.promote_threshold)
-        self.writer = ReuseWriter(store, self.keys, self.cptree, self.variants)
-        self.precompute = Precomputer(runner, store, self.keys, self.writer, self._lock)
-        self.prep = RequestPreparer(builder, self.access_table, store, self.keys, self.max_context,
+        self.prep = RequestPreparer(builder, self.cache.access_table, store, keys, self.max_context,
                                     fused_temperatures(config.reuse.fused_temperature, weights_fingerprint(model_dir)),
                                     runner.config.vocab_size)
-        self.planning = PlanStage(builder, self.keys, store, self.cptree, self.variants, self.conversations,
-                                  self.access_table, self.writer, self.precompute, self.costs, config)
-        self.step = PrefillStep(self.planning, self.prefill_stage, self.writer)
         # on a GPU torch's caching allocator already recycles device memory
         self.kv_pool = KVPool(runner, config.batching.kv_bytes, config.batching.max_batch) \
             if runner.device.type == "cpu" else None
-        self.probes = FidelityProbes(runner, builder, self.prep, self._lock, self.step, config.reuse.convention,
-                                     self.kv_pool)
-        self.split = SplitPrefill(runner, self.prep, self.step, self._lock)  # vLLM connector
+        self.probes = FidelityProbes(runner, builder, self.prep, self._lock, self.cache, self.prefill_stage,
+                                     config.reuse.convention, self.kv_pool)
+        self.split = SplitPrefill(runner, self.prep, self.cache, self.prefill_stage, self._lock)  # vLLM connector
         c = runner.config
         kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
-        self.steps = SequenceSteps(self.step, runner, builder.decode,
-                                   eos_token_ids(runner.config.eos_token_ids, builder.tokenizer), self.max_context,
-                                   config.reuse.convention, self.conversations, self.precompute, self.kv_pool,
+        self.steps = SequenceSteps(self.cache, self.prefill_stage, runner, builder.decode,
+                                   eos_token_ids(runner.config.eos_token_ids, builder.tokenizer),
+                                   config.reuse.convention, self.kv_pool,
                                    FirstTokenVerifier(runner, config.reuse.verify_fraction))
         self.scheduler = Scheduler(functools.partial(decode_batch, runner), self._lock, self.steps,
                                    config.batching.max_batch,
@@ -216,7 +198,7 @@ class Engine:
     def health(self) -> EngineHealth:
         """What the engine runs and whether its scheduler still serves. Takes no lock: /health
         answers while a long step runs, and every value read is set once or swapped whole."""
-        store = self.store
+        store = self.cache.store
         return EngineHealth(failure=self.scheduler.failure, model=self._model_dir.name, model_path=str(self._model_dir),
                             device=self.runner.device.type, dtype=str(self.runner.dtype).removeprefix("torch."),
                             max_context=self.max_context,
@@ -229,9 +211,9 @@ class Engine:
         races the stepping thread's writes (a dict changing size, a disk file going away) raises,
         and reading again is enough."""
         def read() -> EngineStats:
-            return EngineStats(store=self.store.stats(), conversations=len(self.conversations),
-                               cptree_nodes=self.cptree.nodes(), waiting=self.scheduler.waiting,
-                               running=self.scheduler.running)
+            held = self.cache.stats()
+            return EngineStats(store=held.store, conversations=held.conversations, cptree_nodes=held.cptree_nodes,
+                               waiting=self.scheduler.waiting, running=self.scheduler.running)
 
         for _ in range(3):
             try:
@@ -247,18 +229,15 @@ class Engine:
         and the engine's is not taken: a replica asks on its event loop for every request."""
         ram: set[str] = set()
         lower: set[str] = set()
-        for chunk_id, digests in self.store.chunk_id_index().items():
-            (ram if any(d in self.store.ram for d in digests) else lower).add(chunk_id)
+        store = self.cache.store
+        for chunk_id, digests in store.chunk_id_index().items():
+            (ram if any(d in store.ram for d in digests) else lower).add(chunk_id)
         return ram, lower
 
     def load_cost_ratio(self, tier: str) -> float | None:
         """Measured per-token cost of loading KV from `tier` ("ram", "disk", "redis") over that
         of computing it; None until both have been seen."""
-        costs = self.costs
-        load = costs.load.get(tier)
-        if costs.compute is None or load is None or costs.compute <= 0:
-            return None
-        return load / costs.compute
+        return self.cache.load_cost_ratio(tier)
 
     # --- tokens ------------------------------------------------------------------------------
     def encode(self, text: str) -> tuple[int, ...]:
@@ -278,6 +257,11 @@ class Engine:
         reference pass, kernel and graph guards); requests go through generate/stream."""
         return self.runner
 
+    def attention_temperatures(self) -> dict[str, float]:
+        """The calibrated attention temperature per policy family that a policy without
+        `:temp<T>` runs with (empty: none for this model, or `--fused-temperature off`)."""
+        return dict(self.prep.temperatures)
+
     def tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer, for tools that count tokens its own way."""
         return self.builder.tokenizer
@@ -285,7 +269,7 @@ class Engine:
     def chunk_store(self) -> ChunkStore:
         """The chunk store and its tiers, for benchmarks that rearrange or empty tiers between
         measurements; serving code reads `stats()` and `health()` instead."""
-        return self.store
+        return self.cache.store
 
     def settings(self) -> EngineConfig:
         """The settings the engine reads as it runs: a benchmark may switch a per-request one
@@ -314,7 +298,7 @@ class Engine:
                     neighbours: int | None = None, pool: Pool = None) -> WarmReport:
         """`warm` with what it did and cost; `neighbours` None: two where the pool (default: these
         chunks) has passages to choose from, as the server and the `ragcache warm` command do."""
-        return warm_chunks(self.builder, self.prep, self.precompute, chunks, system, tenant, neighbours, pool)
+        return warm_chunks(self.builder, self.prep, self.cache.precompute, chunks, system, tenant, neighbours, pool)
 
     def neighbour_pool(self, chunks: list[Chunk] | list[str]) -> NeighbourIndex:
         """The pool a warm-up of `chunks` chooses each one's neighbours from (`warm_report`'s `pool`)."""
@@ -323,12 +307,12 @@ class Engine:
     def chunk_kv(self, text: str, tenant: str = "") -> ChunkKV:
         """A passage's KV computed alone after the empty system prompt and stored nowhere: what
         one chunk costs to compute (calibration)."""
-        return self.precompute.compute_chunk_kv(self.builder.chunk_segment(Chunk(text=text)),
+        return self.cache.precompute.compute_chunk_kv(self.builder.chunk_segment(Chunk(text=text)),
                                                 self.builder.prefix_segment(""), tenant)
 
     def wait_background(self) -> None:
         """Block until background precompute work queued so far is stored."""
-        self.precompute.wait_background()
+        self.cache.precompute.wait_background()
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None = None,
@@ -402,12 +386,7 @@ class Engine:
         tenant's entries (all of them, or of one chunk id) with its kept conversations and
         Cache-Craft variants. Returns how many store entries were removed."""
         with self._lock:
-            if chunk_id is None:
-                self.variants.clear(tenant)
-                self.conversations.clear(tenant)
-                if tenant is None:
-                    self.writer.variants_loaded = True  # the files are gone too
-            return self.store.delete(chunk_id, tenant)
+            return self.cache.clear(chunk_id, tenant)
 
     def close(self) -> None:
         """Stop the scheduler and the precompute worker (requests still waiting fail), finish the
@@ -416,8 +395,7 @@ class Engine:
         aborts the process, and the writes it had queued would be cut."""
         atexit.unregister(self._close_at_exit)
         self.scheduler.close()
-        self.precompute.close()
-        self.store.close()
+        self.cache.close()
 
     def __enter__(self) -> Engine:
         return self

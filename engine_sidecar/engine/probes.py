@@ -4,29 +4,34 @@ Sequence, so the benchmarks can compare policies token for token without samplin
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
+from engine_sidecar.engine.prefill_stage import PrefillStage
 from engine_sidecar.engine.request_prep import RequestPreparer
 from engine_sidecar.engine.stats import request_stats
-from engine_sidecar.engine.step import PrefillStep
 from engine_sidecar.execution.batched_decode import decode_step
 from engine_sidecar.execution.fused_prefill import PrefillResult, fused_prefill
+from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import Policy, parse_policy
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.request.prompt import PromptBuilder
+from engine_sidecar.reuse.cache import ReuseCache
+from engine_sidecar.reuse.planner import PlannedRequest
 from ragcache_integrations.policy_registry import DEFAULT_POLICY
 from ragcache_integrations.types import ChunkedPrompt, GenerationStats
 
 
 class FidelityProbes:
     def __init__(self, runner: ModelRunner, builder: PromptBuilder, prep: RequestPreparer, lock: threading.RLock,
-                 step: PrefillStep, convention: str, kv_pool: KVPool | None = None):
-        self.runner, self.builder, self.prep, self.step = runner, builder, prep, step
+                 cache: ReuseCache, prefill: PrefillStage, convention: str, kv_pool: KVPool | None = None):
+        self.runner, self.builder, self.prep, self.cache, self.prefill = runner, builder, prep, cache, prefill
         self._lock = lock  # the engine's
         self.convention = convention
         # KV buffers as the scheduler's requests get them, so a probe's time is theirs
@@ -49,7 +54,7 @@ class FidelityProbes:
         t0 = time.perf_counter()
         self.prep.validate(prompt, len(continuation) + 1)
         with self._lock:
-            planned, result = self.step.run(prompt, pol, tenant, len(continuation) + 1, {}, self._allocate)
+            planned, result = self._run(prompt, pol, tenant, len(continuation) + 1, self._allocate)
             assert result.logits is not None
             rows = [result.logits]
             rows += [decode_step(self.runner, result.kv, token) for token in continuation]
@@ -67,7 +72,7 @@ class FidelityProbes:
         t0 = time.perf_counter()
         self.prep.validate(prompt, 1)
         with self._lock:
-            planned, result = self.step.run(prompt, pol, tenant, 0, {})
+            planned, result = self._run(prompt, pol, tenant, 0)
         stats = request_stats(planned, result, time.perf_counter() - t0, pol, {}, self.runner.num_layers,
                               self.convention)
         return tuple(planned.plan.token_ids), result, stats
@@ -84,6 +89,17 @@ class FidelityProbes:
             elapsed = time.perf_counter() - start
             self._give_back(result)
             return elapsed
+
+    def _run(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, extra_capacity: int,
+             allocate: Callable[[int], KVBuffer] | None = None) -> tuple[PlannedRequest, PrefillResult]:
+        """A request's prefill outside the scheduler: plan, prefill with room for
+        `extra_capacity` more tokens, check, commit."""
+        planned = self.cache.plan(prompt, policy, tenant)
+        replan = functools.partial(self.cache.plan, prompt, policy, tenant, lazy=False)
+        planned, result = self.prefill.run(planned, policy, planned.plan.num_tokens + extra_capacity, {}, replan,
+                                           allocate=allocate)
+        self.cache.commit(planned, result, tenant)
+        return planned, result
 
     def _give_back(self, result: PrefillResult) -> None:
         """The probe's KV buffer to the pool: what it returns (logits) holds no view of it."""

@@ -1,32 +1,32 @@
-"""What the scheduler runs for one sequence: its prefill step (plan, prefill, first token, then
-the commit of what the prefill computed) and its completion (its conversation kept, its background
-precompute queued, its result posted). Both run on the stepping thread with the engine lock held."""
+"""What the scheduler runs for one sequence: its prefill step (plan from the reuse cache, prefill,
+first token, then the commit of what the prefill computed) and its completion (its conversation
+kept, its background precompute queued, its result posted). Both run on the stepping thread with
+the engine lock held."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
+from engine_sidecar.engine.prefill_stage import PrefillStage
 from engine_sidecar.engine.sequence import Sequence
 from engine_sidecar.engine.stats import request_stats
-from engine_sidecar.engine.step import PrefillStep
 from engine_sidecar.engine.verify import FirstTokenVerifier
 from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError
 from engine_sidecar.execution.kv_pool import KVPool
 from engine_sidecar.model.runner import ModelRunner
-from engine_sidecar.reuse.conversation import ConversationStore
-from engine_sidecar.reuse.precompute import Precomputer
+from engine_sidecar.reuse.cache import ReuseCache
 from engine_sidecar.reuse.turn_history import conversation_after_turn
 from engine_sidecar.store.entry import finite_kv
 
 
 class SequenceSteps:
-    def __init__(self, step: PrefillStep, runner: ModelRunner, decode: Callable[[list[int]], str], eos_ids: set[int],
-                 max_context: int, convention: str, conversations: ConversationStore, precompute: Precomputer,
+    def __init__(self, cache: ReuseCache, prefill: PrefillStage, runner: ModelRunner,
+                 decode: Callable[[list[int]], str], eos_ids: set[int], convention: str,
                  kv_pool: KVPool | None = None, verifier: FirstTokenVerifier | None = None):
-        self.step, self.runner, self.decode, self.eos_ids = step, runner, decode, eos_ids
-        self.max_context, self.convention = max_context, convention
-        self.conversations, self.precompute = conversations, precompute
+        self.cache, self.prefill, self.runner, self.decode, self.eos_ids = cache, prefill, runner, decode, eos_ids
+        self.convention = convention
         self.kv_pool = kv_pool  # where sequences' KV buffers come from and go back to (a CPU's)
         self.verifier = verifier
 
@@ -35,17 +35,18 @@ class SequenceSteps:
         the first token. True while the sequence wants more tokens."""
         started = time.perf_counter()
         seq.times["queue_s"] = started - seq.t0 - seq.times.get("tokenize_s", 0.0)
-        planned = seq.planned
+        prompt, planned = seq.prompt, seq.planned
         if planned is None:
-            assert seq.prompt is not None
-            planned = self.step.plan_to_fit(seq.prompt, seq.policy, seq.tenant, seq.sampling.max_tokens,
-                                            self.max_context)
+            assert prompt is not None
+            planned = self.cache.plan(prompt, seq.policy, seq.tenant, answer_tokens=seq.sampling.max_tokens)
             seq.times["plan_s"] = time.perf_counter() - started
         capacity = planned.plan.num_tokens + seq.sampling.max_tokens + 1
         if self.kv_pool is not None:
             seq.on_release = self.kv_pool.give
-        planned, result = self.step.prefill(planned, seq.policy, seq.prompt, seq.tenant, capacity, seq.times,
-                                            allocate=self.kv_pool.take if self.kv_pool is not None else None)
+        # a file found damaged mid-read is planned again with whole-file reads
+        replan = functools.partial(self.cache.plan, prompt, seq.policy, seq.tenant, lazy=False) if prompt is not None else None
+        planned, result = self.prefill.run(planned, seq.policy, capacity, seq.times, replan,
+                                           allocate=self.kv_pool.take if self.kv_pool is not None else None)
         seq.planned = planned
         assert result.logits is not None
         stats = request_stats(planned, result, time.perf_counter() - seq.t0, seq.policy, seq.times,
@@ -55,7 +56,7 @@ class SequenceSteps:
         # computed is kept now, off the time to first token, and before any decode step (or a
         # next request) could want it
         committed = time.perf_counter()
-        self.step.commit(planned, result, seq.tenant, check_logits=False)
+        self.cache.commit(planned, result, seq.tenant, check_logits=False)
         seq.times["commit_s"] = time.perf_counter() - committed
         if self.verifier is not None and self.verifier.due(planned.plan, seq.policy):
             verified = time.perf_counter()
@@ -72,7 +73,6 @@ class SequenceSteps:
             turn = conversation_after_turn(self.runner, seq.prompt, seq.planned, seq.kv, seq.generated, seq.tenant)
             if not finite_kv(turn.history.keys, turn.history.values):
                 raise NonFiniteKVError(NON_FINITE_MESSAGE)  # the next turn would read it
-            self.conversations.put(turn)
-        for chunk_seg, prefix in seq.planned.background:
-            self.precompute.enqueue_background(chunk_seg, prefix, seq.tenant)
+            self.cache.keep_conversation(turn)
+        self.cache.precompute_later(seq.planned, seq.tenant)
         seq.finish()

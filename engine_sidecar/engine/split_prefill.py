@@ -11,17 +11,19 @@ context, CP-Tree nodes, the template prefix."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
 import torch
 
+from engine_sidecar.engine.prefill_stage import PrefillStage
 from engine_sidecar.engine.request_prep import RequestPreparer
-from engine_sidecar.engine.step import PrefillStep
 from engine_sidecar.execution.fused_prefill import PrefillResult
 from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.execution.policies import Policy
 from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.reuse.cache import ReuseCache
 from engine_sidecar.reuse.planner import PlannedRequest
 from ragcache_integrations.types import ChunkedPrompt
 from ragcache_kernels.dispatch import apply_rope
@@ -48,8 +50,9 @@ class PrefixRun:
 
 
 class SplitPrefill:
-    def __init__(self, runner: ModelRunner, prep: RequestPreparer, step: PrefillStep, lock: threading.RLock):
-        self.runner, self.prep, self.step = runner, prep, step
+    def __init__(self, runner: ModelRunner, prep: RequestPreparer, cache: ReuseCache, prefill: PrefillStage,
+                 lock: threading.RLock):
+        self.runner, self.prep, self.cache, self.prefill = runner, prep, cache, prefill
         self._lock = lock  # the engine's
 
     def prefix(self, prompt: ChunkedPrompt | dict, policy: str | Policy, tenant: str, upto: int) -> PrefixRun:
@@ -58,13 +61,14 @@ class SplitPrefill:
         prompt, _, pol = self.prep.prepare(prompt, None, policy, "preserve", tenant)
         self.prep.validate(prompt, 1)
         with self._lock:
-            planned = self.step.plan(prompt, pol, tenant, lazy=False)
+            planned = self.cache.plan(prompt, pol, tenant, lazy=False)
             spans = [s for s in planned.plan.spans if s.start < upto]
             result = None
             if spans:
                 # the plan's own spans up to `upto`, as any request prefills them (store reads, the
                 # retry on a damaged file, cost learning); kept only in `learn`
-                planned, result = self.step.prefill(planned, pol, prompt, tenant, spans[-1].end, {}, upto=upto)
+                replan = functools.partial(self.cache.plan, prompt, pol, tenant, lazy=False)
+                planned, result = self.prefill.run(planned, pol, spans[-1].end, {}, replan, upto=upto)
                 spans = [s for s in planned.plan.spans if s.start < upto]
         end = spans[-1].end if spans else 0
         return PrefixRun(planned, pol, tenant, planned.plan.token_ids, end, result)
@@ -88,4 +92,4 @@ class SplitPrefill:
             values[:, : run.end] = own.values[:, : run.end]
         kv = KVBuffer(keys_pre, keys, values, n)
         with self._lock:
-            self.step.commit(run.planned, PrefillResult(None, kv, 0, 0, 0), run.tenant)
+            self.cache.commit(run.planned, PrefillResult(None, kv, 0, 0, 0), run.tenant)

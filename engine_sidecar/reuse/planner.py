@@ -37,7 +37,7 @@ from ragcache_integrations.types import ChunkedPrompt
 
 
 class PlanningState(Protocol):
-    """What planning reads: the caches, the indexes and the settings (PlanStage, which owns them).
+    """What planning reads: the caches, the indexes and the settings (ReuseCache, which owns them).
     Planning still inserts CP-Tree nodes, rewards Cache-Craft variants and (with inline
     precompute) stores chunk KV; everything a prefill computes is stored by the engine after it
     succeeds."""
@@ -51,7 +51,7 @@ class PlanningState(Protocol):
     conversations: ConversationStore
     access_table: ChunkAccessTable
 
-    def lookup(self, key: CacheKey) -> ChunkKV | None: ...
+    def lookup(self, key: CacheKey, lazy: bool = False) -> ChunkKV | None: ...
 
     def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str,
                          lead: tuple[int, ...] = ()) -> tuple[ChunkKV, int]: ...
@@ -136,8 +136,10 @@ class _TreeWalk:
 
 
 class Planner:
-    def __init__(self, state: PlanningState):
-        self.state = state
+    def __init__(self, state: PlanningState, lazy_reads: bool = False):
+        """`lazy_reads`: disk-tier entries found while planning stay on disk for the prefill's
+        layer-wise prefetch."""
+        self.state, self.lazy_reads = state, lazy_reads
 
     def root_digest(self, prefix: Segment, tenant: str) -> str:
         return chain_digest(tenant, token_ids_digest(prefix.token_ids))
@@ -147,41 +149,41 @@ class Planner:
 
     def plan(self, prompt: ChunkedPrompt, policy: Policy, tenant: str, use_prefix_tree: bool,
              dedup: bool) -> PlannedRequest:
-        engine = self.state
+        state = self.state
         if prompt.messages is not None:
             return self._plan_verbatim(prompt, policy, tenant, use_prefix_tree)
         conv = None
         if prompt.conversation_id:
-            conv = engine.conversations.get(tenant, prompt.conversation_id)
+            conv = state.conversations.get(tenant, prompt.conversation_id)
             if conv is not None and conv.system != prompt.system:
-                engine.conversations.drop(tenant, prompt.conversation_id)
+                state.conversations.drop(tenant, prompt.conversation_id)
                 conv = None
         if conv is not None:
             known = conv.chunk_digests if dedup else set()
-            assembled = engine.builder.build_followup(prompt, known)
+            assembled = state.builder.build_followup(prompt, known)
             out = PlannedRequest(FusionPlan([], policy.name), conversation=conv)
-            out.dropped_chunk_ids = [s.chunk_id or "" for s in engine.builder.build(prompt).segments
+            out.dropped_chunk_ids = [s.chunk_id or "" for s in state.builder.build(prompt).segments
                                      if s.kind == "chunk" and segment_digest(s) in known]
             history = PlanSpan("history", 0, tuple(conv.history.token_ids.tolist()),
                                "exact" if policy.uses_cache else "fresh",
                                conv.history if policy.uses_cache else None)
             out.plan.spans.append(history)
             out.plan.notes.append(f"conversation turn {conv.turns + 1}: {history.end} history tokens reused")
-            prefix = engine.builder.prefix_segment(prompt.system)
+            prefix = state.builder.prefix_segment(prompt.system)
             self._chunks_and_question(out, assembled.segments, history.end, prefix, policy, tenant, prompt,
                                       tree_root=None)
             return out
-        return self._from_prefix(engine.builder.build(prompt), policy, tenant, prompt, use_prefix_tree)
+        return self._from_prefix(state.builder.build(prompt), policy, tenant, prompt, use_prefix_tree)
 
     def _from_prefix(self, assembled: AssembledPrompt, policy: Policy, tenant: str, prompt: ChunkedPrompt,
                      use_prefix_tree: bool) -> PlannedRequest:
         """No kept history: template prefix (exact when stored), then chunks and question."""
-        engine = self.state
+        state = self.state
         out = PlannedRequest(FusionPlan([], policy.name))
         prefix = assembled.segments[0]
         span = PlanSpan("prefix", 0, prefix.token_ids, "fresh")
         if policy.uses_cache and prefix.token_ids:
-            span.cached = engine.lookup(engine.keys.for_tokens(prefix.token_ids, tenant, "exact"))
+            span.cached = state.lookup(state.keys.for_tokens(prefix.token_ids, tenant, "exact"), self.lazy_reads)
             span.mode = "exact" if span.cached is not None else "fresh"
         out.plan.spans.append(span)
         root = self.root_digest(prefix, tenant) if (use_prefix_tree and policy.uses_cache) else None
@@ -194,9 +196,9 @@ class Planner:
         """Verbatim layout. A conversation's next turn re-sends the whole chat, so its KV is
         reused exactly for the longest common token prefix with the kept history (the earlier
         turns, as far as the template re-renders them identically); the rest is planned as usual."""
-        engine = self.state
-        assembled = engine.builder.build(prompt)
-        conv = engine.conversations.get(tenant, prompt.conversation_id) if prompt.conversation_id else None
+        state = self.state
+        assembled = state.builder.build(prompt)
+        conv = state.conversations.get(tenant, prompt.conversation_id) if prompt.conversation_id else None
         tokens = assembled.token_ids
         if conv is not None and policy.uses_cache:
             history = conv.history.token_ids.tolist()
@@ -206,8 +208,8 @@ class Planner:
                 same += 1
             prefix_ids = assembled.segments[0].token_ids
             # the history wins unless it covers less than a template prefix the store holds exactly
-            if same > len(prefix_ids) or (same > 0 and not engine.store.contains(
-                    engine.keys.for_tokens(prefix_ids, tenant, "exact"))):
+            if same > len(prefix_ids) or (same > 0 and not state.store.contains(
+                    state.keys.for_tokens(prefix_ids, tenant, "exact"))):
                 out = PlannedRequest(FusionPlan([], policy.name), conversation=conv)
                 kept = ChunkKV(conv.history.keys[:, :same], conv.history.values[:, :same],
                                conv.history.token_ids[:same], None, tenant)
@@ -289,7 +291,7 @@ class Planner:
         """Whether chunk `i` is on the matched tree path with its node's KV still stored."""
         if i >= len(walk.path):
             return False
-        span.cached = self.state.lookup(self.node_key(walk.path[i]))
+        span.cached = self.state.lookup(self.node_key(walk.path[i]), self.lazy_reads)
         if span.cached is None:
             walk.extending = False  # evicted between match and lookup: fall back below
             return False
@@ -301,25 +303,25 @@ class Planner:
                  walk: _TreeWalk, request: _ChunkRequest) -> bool:
         """Whether chunk `i` is computed with full attention right after exact KV and proposed as a
         tree node."""
-        engine = self.state
+        state = self.state
         policy, tenant = request.policy, request.tenant
         # A chunk computed with full attention anyway (exact-reuse policies, or a fusion
         # miss) becomes a node for free; a chunk fusion could reuse costs a full compute
         # of the chunk instead, so it waits for a higher access count.
         fusable = policy.fuses and (policy.records_variants
                                     or self._fusable(seg, request.prefix, tenant))
-        reuse = engine.config.reuse
+        reuse = state.config.reuse
         threshold = reuse.fusion_promote_threshold if fusable else reuse.promote_threshold
         if not (walk.extending and walk.root is not None and threshold is not None
                 and self._promotable(request.chunk_segs[: i + 1], threshold, tenant)):
             return False
         # computed with full attention after exact KV: exact, so it becomes a node
         # (proposed here, inserted by the engine after the prefill stored its KV)
-        node = engine.cptree.propose(walk.parent, walk.root, walk.edges[i], seg.chunk_id, tenant)
+        node = state.cptree.propose(walk.parent, walk.root, walk.edges[i], seg.chunk_id, tenant)
         out.new_nodes.append((len(out.plan.spans), node))
         if policy.fuses and not fusable and not policy.records_variants:
             # the same KV serves fusion when the chunk comes back elsewhere
-            out.in_place.append((len(out.plan.spans), engine.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT),
+            out.in_place.append((len(out.plan.spans), state.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT),
                                  chain_before))
         walk.parent = node
         out.misses += 1
@@ -331,13 +333,13 @@ class Planner:
         """The chunk's KV computed in place by an earlier request (fusion policies only)."""
         if not (policy.uses_cache and policy.fuses) or policy.records_variants:
             return None
-        return self.state.lookup(self.state.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT))
+        return self.state.lookup(self.state.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT), self.lazy_reads)
 
     def _fusable(self, seg: Segment, prefix: Segment, tenant: str) -> bool:
         """Whether fusion has stored KV for this chunk (any context)."""
-        store, engine = self.state.store, self.state
-        return (store.contains(engine.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT))
-                or store.contains(engine.keys.for_tokens(seg.token_ids, tenant, engine.keys.chunk_context(prefix))))
+        store, state = self.state.store, self.state
+        return (store.contains(state.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT))
+                or store.contains(state.keys.for_tokens(seg.token_ids, tenant, state.keys.chunk_context(prefix))))
 
     def _promotable(self, segs: list[Segment], threshold: int, tenant: str) -> bool:
         counts = [self.state.access_table.count(access_key(tenant, s.chunk_id or "")) for s in segs]
@@ -347,23 +349,23 @@ class Planner:
                policy: CacheCraftPolicy) -> None:
         """Cache-Craft: reuse the chunk's lowest-CFO variant, or compute the chunk in this
         request's context and record it as a new variant."""
-        engine = self.state
-        while (choice := engine.variants.choose(tenant, digest, prior, policy.alpha)) is not None:
+        state = self.state
+        while (choice := state.variants.choose(tenant, digest, prior, policy.alpha)) is not None:
             if choice.cfo >= policy.fresh_above:
                 out.plan.notes.append(f"cachecraft {span.chunk_id or digest[:8]}: best CFO {choice.cfo:.2f} "
                                       f">= {policy.fresh_above}: computed here, kept as a new variant")
                 break
-            cached = engine.lookup(choice.variant.key)
+            cached = state.lookup(choice.variant.key, self.lazy_reads)
             if cached is not None:
                 span.cached, span.mode = cached, "fuse"
                 span.recompute = tokens_to_recompute(choice.variant.inter, choice.cfo)
-                engine.variants.reward(choice.variant, choice.cfo)
+                state.variants.reward(choice.variant, choice.cfo)
                 out.hits += 1
                 out.plan.notes.append(
                     f"cachecraft {span.chunk_id or digest[:8]}: CCI {choice.variant.cci:.2f}, beta {choice.beta:.2f}, "
                     f"gamma {choice.gamma:.2f}, CFO {choice.cfo:.2f} -> {len(span.recompute)}/{len(span)} tokens")
                 return
-            engine.variants.discard(choice.variant)  # its KV left the store
+            state.variants.discard(choice.variant)  # its KV left the store
         out.misses += 1
         prior_spans = [(s.start, s.end) for s in out.plan.spans if s.kind == "chunk"]
         out.craft.append(RecordedChunk(len(out.plan.spans), (span.start, span.end), prior_spans, prior, digest))
@@ -372,32 +374,32 @@ class Planner:
                       tenant: str, chain_before: str | None, in_place: ChunkKV | None) -> None:
         """Fuse the chunk's stored KV (`in_place`: its in-context entry, already read), or plan
         the miss; `chain_before` names the exact KV before the chunk, recorded with a miss."""
-        engine = self.state
-        key = engine.keys.for_tokens(seg.token_ids, tenant, engine.keys.chunk_context(prefix))
-        in_place_key = engine.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT)
+        state = self.state
+        key = state.keys.for_tokens(seg.token_ids, tenant, state.keys.chunk_context(prefix))
+        in_place_key = state.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT)
         # KV computed in a request's context first: it saw a system prompt and neighbours, as the
         # chunk will now; a precomputed (warm / background / inline) entry otherwise
         span.cached = in_place
         from_precompute = span.cached is None
         if from_precompute:
-            span.cached = engine.lookup(key)
+            span.cached = state.lookup(key, self.lazy_reads)
         if span.cached is not None:
             out.hits += 1
-        elif engine.config.reuse.precompute == "in-place":
+        elif state.config.reuse.precompute == "in-place":
             out.misses += 1
             out.in_place.append((len(out.plan.spans), in_place_key, chain_before))
-        elif engine.config.reuse.precompute == "inline":
+        elif state.config.reuse.precompute == "inline":
             started = time.perf_counter()
-            span.cached, token_layers = engine.precompute_chunk(seg, prefix, tenant, seg.lead)
+            span.cached, token_layers = state.precompute_chunk(seg, prefix, tenant, seg.lead)
             out.precompute_s += time.perf_counter() - started
             out.precompute_token_layers += token_layers
-            engine.store.put(key, span.cached)
+            state.store.put(key, span.cached)
             out.misses += 1
         else:
             out.misses += 1
             out.background.append((seg, prefix))
         if span.cached is not None:
             # After-prefix KV of the first chunk was computed at exactly these positions.
-            exact = (from_precompute and engine.config.reuse.convention == "after-prefix"
+            exact = (from_precompute and state.config.reuse.convention == "after-prefix"
                      and out.conversation is None and _behind_prefix_as_computed(out, prefix, span.cached))
             span.mode = "exact" if exact else "fuse"

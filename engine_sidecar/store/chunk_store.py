@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,8 @@ from engine_sidecar.store.disk import DiskTier
 from engine_sidecar.store.entry import CacheKey, ChunkKV, finite_kv_flag
 from engine_sidecar.store.ram import RamTier
 from engine_sidecar.store.redis_tier import RedisTier
+
+LOADS_KEPT = 1024  # tier reads remembered for the cost estimate between two drains
 
 
 @dataclass
@@ -76,9 +78,16 @@ class ChunkStore:
         self.hits_ram = self.hits_disk = self.hits_redis = self.hits_host = self.misses = 0
         self.host_demotions = 0
         self.refused_non_finite = 0  # entries refused by `put` for holding NaN or infinity
-        # (seconds, tokens) of each disk-tier read, for the engine's running cost estimate
-        self.on_disk_load: Callable[[float, int], None] | None = None
-        self.on_redis_load: Callable[[float, int], None] | None = None  # the same for Redis-tier reads
+        # (tier, seconds, tokens) of recent disk- and Redis-tier reads, for whoever estimates load
+        # costs (`drain_loads`); bounded, so a store nobody drains stays small
+        self._loads: deque[tuple[str, float, int]] = deque(maxlen=LOADS_KEPT)
+
+    def drain_loads(self) -> list[tuple[str, float, int]]:
+        """(tier, seconds, tokens) of each disk- and Redis-tier read since the last call."""
+        out = []
+        while self._loads:
+            out.append(self._loads.popleft())
+        return out
 
     def get(self, key: CacheKey, lazy: bool = False) -> ChunkKV | None:
         """The entry from RAM, else from disk, else from Redis. With `lazy`, a disk entry comes
@@ -108,8 +117,7 @@ class ChunkStore:
             if entry is not None and entry.tenant == key.tenant:
                 self.hits_disk += 1
                 entry.keys, entry.values = entry.keys.to(self.device), entry.values.to(self.device)
-                if self.on_disk_load is not None:
-                    self.on_disk_load(time.perf_counter() - started, entry.num_tokens)
+                self._loads.append(("disk", time.perf_counter() - started, entry.num_tokens))
                 self._ram_put(digest, entry)
                 return entry
         if self.redis is not None:
@@ -118,8 +126,7 @@ class ChunkStore:
             if entry is not None and entry.tenant == key.tenant:
                 self.hits_redis += 1
                 entry.keys, entry.values = entry.keys.to(self.device), entry.values.to(self.device)
-                if self.on_redis_load is not None:
-                    self.on_redis_load(time.perf_counter() - started, entry.num_tokens)
+                self._loads.append(("redis", time.perf_counter() - started, entry.num_tokens))
                 self._ram_put(digest, entry)
                 return entry
         self.misses += 1

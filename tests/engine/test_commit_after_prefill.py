@@ -29,9 +29,9 @@ class FailsMidPrefill(PrefixPolicy):
 
 
 def _state(engine: Engine) -> tuple:
-    stats = engine.store.stats()
-    return (stats.ram_entries, stats.disk_entries, engine.cptree.nodes(), engine.cptree.roots(),
-            len(engine.conversations), len(engine.variants))
+    stats = engine.cache.store.stats()
+    return (stats.ram_entries, stats.disk_entries, engine.cache.cptree.nodes(), engine.cache.cptree.roots(),
+            len(engine.cache.conversations), len(engine.cache.variants))
 
 
 @pytest.fixture
@@ -63,13 +63,13 @@ def test_the_first_token_is_out_before_the_commit(engine):
     token while the commit runs (a commit before it would wait here until its deadline)."""
     first_token_seen = threading.Event()
     seen_at_commit: list[bool] = []
-    commit = engine.writer.commit
+    commit = engine.cache.writer.commit
 
     def commit_after_the_caller_has_its_token(planned, result, tenant):
         seen_at_commit.append(first_token_seen.wait(timeout=20))
         commit(planned, result, tenant)
 
-    engine.writer.commit = commit_after_the_caller_has_its_token
+    engine.cache.writer.commit = commit_after_the_caller_has_its_token
     stream = engine.stream(ChunkedPrompt(chunks=PASSAGES, question="Which river is longest?"),
                            {"max_tokens": 3, "temperature": 0, "ignore_eos": True}, policy="cacheblend")
     ticks = stream.ticks()
@@ -86,7 +86,7 @@ def test_the_first_token_is_out_before_the_commit(engine):
 
 
 def _reads_in(engine: Engine, monkeypatch) -> list[str]:
-    """The values `engine.writer.commit` reads back from tensors (a host sync each on a GPU)."""
+    """The values `engine.cache.writer.commit` reads back from tensors (a host sync each on a GPU)."""
     import torch
 
     reads: list[str] = []
@@ -100,7 +100,7 @@ def _reads_in(engine: Engine, monkeypatch) -> list[str]:
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    commit = engine.writer.commit
+    commit = engine.cache.writer.commit
 
     def counted_commit(planned, result, tenant):
         inside.on = True
@@ -109,7 +109,7 @@ def _reads_in(engine: Engine, monkeypatch) -> list[str]:
         finally:
             inside.on = False
 
-    monkeypatch.setattr(engine.writer, "commit", counted_commit)
+    monkeypatch.setattr(engine.cache.writer, "commit", counted_commit)
     return reads
 
 
@@ -117,11 +117,11 @@ def test_a_commit_checks_every_entry_in_one_read(engine, monkeypatch):
     """The template prefix and three misses computed in place are four entries: their KV is checked
     finite together, one read, not one per entry."""
     engine.clear_cache()
-    before = engine.store.stats().ram_entries
+    before = engine.cache.store.stats().ram_entries
     reads = _reads_in(engine, monkeypatch)
     engine.generate(ChunkedPrompt(chunks=PASSAGES, question="Which river is longest?"), {"max_tokens": 1},
                     policy="cacheblend")
-    assert engine.store.stats().ram_entries - before >= 4
+    assert engine.cache.store.stats().ram_entries - before >= 4
     assert reads == ["__bool__"]
 
 
@@ -135,16 +135,16 @@ def test_a_poisoned_entry_stores_none_of_the_requests_entries(engine, monkeypatc
     engine.clear_cache()
     prompt, _, policy = engine.prep.prepare(ChunkedPrompt(chunks=PASSAGES, question="Which river is longest?"),
                                             None, "cacheblend", "preserve", "")
-    planned = engine.step.plan(prompt, policy, "")
-    planned, result = engine.step.prefill(planned, policy, prompt, "", planned.plan.num_tokens + 1, {})
+    planned = engine.cache.plan(prompt, policy, "")
+    planned, result = engine.prefill_stage.run(planned, policy, planned.plan.num_tokens + 1, {}, None)
     assert len(planned.in_place) == 3
     last = planned.plan.spans[planned.in_place[-1][0]]  # the last passage computed in place
     with torch.inference_mode():  # the buffer is an inference tensor, as the prefill made it
         result.kv.values[:, last.start] = float("nan")
-    before = engine.store.stats()
+    before = engine.cache.store.stats()
     with pytest.raises(NonFiniteKVError):
-        engine.writer.commit(planned, result, "")
-    engine.store.flush()
-    after = engine.store.stats()
+        engine.cache.writer.commit(planned, result, "")
+    engine.cache.store.flush()
+    after = engine.cache.store.stats()
     assert (after.ram_entries, after.disk_entries) == (before.ram_entries, before.disk_entries)
-    assert engine.store.refused_non_finite == 1
+    assert engine.cache.store.refused_non_finite == 1

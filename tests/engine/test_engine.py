@@ -58,7 +58,7 @@ def test_chunk_at_position_zero_reproduces_fresh_compute(tiny_engine):
     chunk = tiny_engine.builder.chunk_segment(prompt().chunks[0])
     question = tiny_engine.builder.encode("Where does it flow?")
     # the isolated convention computes a chunk alone at position 0: exactly this placement
-    kv = tiny_engine.precompute.compute_chunk_kv(chunk, tiny_engine.builder.prefix_segment("s"), "")
+    kv = tiny_engine.cache.precompute.compute_chunk_kv(chunk, tiny_engine.builder.prefix_segment("s"), "")
     n = len(chunk.token_ids)
     plan = FusionPlan([PlanSpan("chunk", 0, chunk.token_ids, "fuse", kv),
                        PlanSpan("question", n, question, "fresh")], "reuse")
@@ -108,7 +108,7 @@ def test_other_model_or_dtype_misses_on_shared_disk_cache(tiny_llama_dir, smol_d
     cache = tmp_path / "kv"
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=cache, prefix_tree=False) as first:
         first.warm(PASSAGES)
-        first.store.flush()
+        first.cache.store.flush()
     other_dir = make_tiny_model(tmp_path / "other", "llama", tokenizer_from=smol_dir, num_hidden_layers=2)
     with Engine.from_pretrained(other_dir, device="cpu", dtype="float32", cache_dir=cache, prefix_tree=False) as other:
         assert other.generate(prompt(), {"max_tokens": 2}).stats.chunk_hits == 0
@@ -124,7 +124,7 @@ def test_disk_tier_survives_restart_and_detects_corruption(tiny_llama_dir, tmp_p
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=cache, prefix_tree=False) as second:
         result = second.generate(prompt(), {"max_tokens": 5})
         assert result.stats.chunk_hits == 3
-        assert second.store.hits_disk >= 3
+        assert second.cache.store.hits_disk >= 3
         assert result.token_ids == expected
     files = sorted(cache.glob("*/*.kv.safetensors"))
     assert files
@@ -236,9 +236,9 @@ def test_bad_prompts_raise_clear_errors_and_cache_nothing(tiny_engine, bad, erro
     with pytest.raises(error) as info:
         tiny_engine.generate(ChunkedPrompt(**args), {"max_tokens": 8})
     assert len(str(info.value).splitlines()) == 1
-    tiny_engine.store.flush()
-    assert tiny_engine.store.stats().ram_entries == 0
-    assert not list((tiny_engine.config.store.cache_dir or tiny_engine.store.disk.directory).rglob("*.tmp"))
+    tiny_engine.cache.store.flush()
+    assert tiny_engine.cache.store.stats().ram_entries == 0
+    assert not list((tiny_engine.config.store.cache_dir or tiny_engine.cache.store.disk.directory).rglob("*.tmp"))
 
 
 @pytest.mark.parametrize("field", ["chunks", "question", "system"])
@@ -252,7 +252,7 @@ def test_non_utf8_text_is_rejected_with_a_clear_message(field):
 
 def test_chunk_kv_entry_sizes(tiny_engine):
     tiny_engine.warm(PASSAGES[:1])
-    entry = next(v for _, v in tiny_engine.store.ram.items() if isinstance(v, ChunkKV) and v.chunk_id)
+    entry = next(v for _, v in tiny_engine.cache.store.ram.items() if isinstance(v, ChunkKV) and v.chunk_id)
     c = tiny_engine.runner.config
     assert entry.keys.shape == (c.num_layers, entry.num_tokens, c.num_kv_heads, c.head_dim)
 

@@ -35,7 +35,7 @@ model, passages = sys.argv[1], json.loads(sys.argv[2])
 e = Engine.from_pretrained(model)
 print(e.generate(ChunkedPrompt(chunks=passages, question="Which valley has the most sites?"),
                  {"max_tokens": 1}).text)
-print(json.dumps(sorted(d for held in e.store.chunk_id_index().values() for d in held)), flush=True)
+print(json.dumps(sorted(d for held in e.cache.store.chunk_id_index().values() for d in held)), flush=True)
 """
 
 
@@ -74,4 +74,4 @@ def test_a_closed_engine_leaves_none_of_its_threads_running(tiny_llama_dir, tmp_
         assert {"ragcache-scheduler", "ragcache-disk-writer"} <= set(started), started
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     assert left == []
-    assert engine.store.disk is not None and len(engine.store.disk) >= len(PASSAGES)  # written before the end
+    assert engine.cache.store.disk is not None and len(engine.cache.store.disk) >= len(PASSAGES)  # written before the end

@@ -173,7 +173,7 @@ def test_a_tiny_attention_temperature_cannot_poison_a_tenant(client, engine):
     after = _generate(client, other, victim)
     assert after.status_code == 200 and after.json()["text"], after.text
     assert _generate(client, other, victim, policy="cacheblend:1.0").json()["text"] == baseline
-    for digest, entry in engine.store.ram.items():
+    for digest, entry in engine.cache.store.ram.items():
         assert torch.isfinite(entry.keys).all() and torch.isfinite(entry.values).all(), digest
 
 
@@ -187,8 +187,8 @@ def _entry(bad: float | None = None) -> ChunkKV:
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_the_store_refuses_non_finite_kv_in_every_tier(tiny_engine, bad):
-    store = tiny_engine.store
-    key = tiny_engine.keys.for_tokens([1, 2, 3, 4, 5], "t", "isolated")
+    store = tiny_engine.cache.store
+    key = tiny_engine.cache.keys.for_tokens([1, 2, 3, 4, 5], "t", "isolated")
     with pytest.raises(NonFiniteKVError):
         store.put(key, _entry(bad))
     store.flush()
@@ -202,8 +202,8 @@ def test_a_non_finite_file_on_disk_is_a_miss_and_deleted(tiny_engine, monkeypatc
     import engine_sidecar.store.chunk_store as chunk_store
     import engine_sidecar.store.disk as disk
 
-    store = tiny_engine.store
-    keys = [tiny_engine.keys.for_tokens([i, 2, 3], "t", "isolated") for i in range(2)]
+    store = tiny_engine.cache.store
+    keys = [tiny_engine.cache.keys.for_tokens([i, 2, 3], "t", "isolated") for i in range(2)]
     with monkeypatch.context() as m:  # the guards of an older writer: none
         m.setattr(chunk_store, "finite_kv_flag", lambda *_: torch.tensor(True))
         m.setattr(disk, "finite_kv", lambda *_: True)
@@ -247,9 +247,9 @@ def test_nan_logits_fail_the_request_with_a_422_and_store_nothing(nan_model_dir,
                                                             "max_tokens": 3, "temperature": temperature})
             assert chat.status_code == 422, chat.text
             assert client.get("/health").status_code == 200
-        engine.store.flush()
-        assert len(engine.store.ram) == 0 and len(engine.store.disk) == 0
-        assert len(engine.conversations) == 0
+        engine.cache.store.flush()
+        assert len(engine.cache.store.ram) == 0 and len(engine.cache.store.disk) == 0
+        assert len(engine.cache.conversations) == 0
     finally:
         engine.close()
 
@@ -269,8 +269,8 @@ def test_warming_with_non_finite_kv_is_a_422_and_stores_nothing(tmp_path, smol_d
             answer = client.post("/v1/generate", json={**GENERATE, "prompt": {**GENERATE["prompt"],
                                                                              "conversation_id": "c1"}})
             assert answer.status_code == 422, answer.text
-        engine.store.flush()
-        assert len(engine.store.ram) == 0 and len(engine.store.disk) == 0 and len(engine.conversations) == 0
+        engine.cache.store.flush()
+        assert len(engine.cache.store.ram) == 0 and len(engine.cache.store.disk) == 0 and len(engine.cache.conversations) == 0
     finally:
         engine.close()
 

@@ -25,8 +25,8 @@ def full_kv(engine, p: ChunkedPrompt) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def chunk_entries(engine, chunk_id: str) -> list:
-    digests = engine.store.chunk_id_index().get(chunk_id, set())
-    return [engine.store.ram.get(d) for d in digests]
+    digests = engine.cache.store.chunk_id_index().get(chunk_id, set())
+    return [engine.cache.store.ram.get(d) for d in digests]
 
 
 def test_nothing_supplied_then_learned_from_the_other_engines_kv(tiny_engine):
@@ -91,7 +91,7 @@ def test_a_shared_prefill_is_measured_like_any_request(tiny_engine):
     compute cost feeds the cost meter (`:auto` ratios, Cache-Craft's preload depth) as any
     request's does."""
     engine = tiny_engine
-    assert engine.costs.compute is None  # nothing ran yet
+    assert engine.cache.costs.compute is None  # nothing ran yet
     run = engine.split.prefix(prompt("ab"), "full", "", upto=10_000)
     assert run.result is not None and run.result.logits is None  # another engine computes the logits
-    assert engine.costs.compute is not None and engine.costs.compute > 0
+    assert engine.cache.costs.compute is not None and engine.cache.costs.compute > 0

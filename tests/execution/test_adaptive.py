@@ -88,13 +88,13 @@ def test_auto_ratio_comes_from_the_engines_own_measurements(tiny_engine):
               "The Danube flows through ten countries into the Black Sea. " * 3]
     first = tiny_engine.generate({"chunks": chunks, "question": "Where?"}, {"max_tokens": 1}, policy="cacheblend:auto")
     assert any(n.startswith("auto ratio 0.150") for n in first.stats.notes)
-    assert tiny_engine.costs.compute is not None and tiny_engine.costs.compute > 0
+    assert tiny_engine.cache.costs.compute is not None and tiny_engine.cache.costs.compute > 0
     # the first ask computed its chunks in place; the second reuses them, which measures loading
     tiny_engine.generate({"chunks": chunks[::-1], "question": "Where?"}, {"max_tokens": 1}, policy="cacheblend:auto")
-    assert tiny_engine.costs.load["ram"] > 0
+    assert tiny_engine.cache.costs.load["ram"] > 0
     again = tiny_engine.generate({"chunks": chunks, "question": "Where?"}, {"max_tokens": 1},
                                  policy="cacheblend:auto")
-    expected = tiny_engine.costs.ratio("ram")  # r_min on a CPU: loading is far cheaper than compute
+    expected = tiny_engine.cache.costs.ratio("ram")  # r_min on a CPU: loading is far cheaper than compute
     note = next(n for n in again.stats.notes if n.startswith("auto ratio"))
     assert f"auto ratio {expected:.3f} for the ram tier" in note and "compute" in note
 

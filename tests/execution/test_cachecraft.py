@@ -128,12 +128,12 @@ def engine(tiny_engine):
 
 def test_first_sight_records_variants_then_a_new_order_reuses_them(engine):
     first = engine.generate({"chunks": [A, B, C], "question": "Where?"}, {"max_tokens": 2}, policy="cachecraft")
-    assert first.stats.chunk_misses == 3 and first.stats.chunk_hits == 0 and len(engine.variants) == 3
+    assert first.stats.chunk_misses == 3 and first.stats.chunk_hits == 0 and len(engine.cache.variants) == 3
     second = engine.generate({"chunks": [C, A, B], "question": "Where?"}, {"max_tokens": 2},
                              policy="cachecraft:0.5")
     assert second.stats.chunk_hits == 3 and second.stats.tokens_reused > 0
     assert len([n for n in second.stats.notes if n.startswith("cachecraft")]) == 3
-    assert len(engine.variants) == 3  # hits add no variants
+    assert len(engine.cache.variants) == 3  # hits add no variants
 
 
 def test_cfo_one_recompute_without_early_stop_equals_full_prefill(engine):
@@ -174,13 +174,13 @@ def test_costly_fix_makes_a_new_variant_and_eviction_drops_the_old_kv(tiny_llama
     try:
         eng.generate({"chunks": [A, C], "question": "Q"}, {"max_tokens": 1}, policy="cachecraft")
         c_digest = token_ids_digest(list(eng.builder.chunk_segment(Chunk(text=C)).token_ids))
-        (old,) = eng.variants.variants("", c_digest)
-        assert old.prefix and eng.store.contains(old.key)
+        (old,) = eng.cache.variants.variants("", c_digest)
+        assert old.prefix and eng.cache.store.contains(old.key)
         # after B instead of A: beta 0, CFO = alpha * CCI >= 0.8 with alpha 2 -> computed here
         eng.generate({"chunks": [B, C], "question": "Q"}, {"max_tokens": 1}, policy="cachecraft:2")
-        (new,) = eng.variants.variants("", c_digest)  # M = 1: the old variant was evicted
+        (new,) = eng.cache.variants.variants("", c_digest)  # M = 1: the old variant was evicted
         assert new.prefix != old.prefix
-        assert not eng.store.contains(old.key) and eng.store.contains(new.key)
+        assert not eng.cache.store.contains(old.key) and eng.cache.store.contains(new.key)
     finally:
         eng.close()
 
@@ -225,15 +225,15 @@ def test_variants_survive_a_restart_through_the_disk_tier(tiny_llama_dir, tmp_pa
 
     with start() as first:
         first.generate({"chunks": [A, B, C], "question": "Where?"}, {"max_tokens": 1}, policy="cachecraft")
-        recorded = {(v.chunk_digest, v.prefix, round(v.cci, 6)) for vs in first.variants._by_chunk.values() for v in vs}
+        recorded = {(v.chunk_digest, v.prefix, round(v.cci, 6)) for vs in first.cache.variants._by_chunk.values() for v in vs}
     with start() as second:
-        assert len(second.variants) == 0  # rebuilt on the first Cache-Craft request, not before
+        assert len(second.cache.variants) == 0  # rebuilt on the first Cache-Craft request, not before
         again = second.generate({"chunks": [C, A, B], "question": "Where?"}, {"max_tokens": 1},
                                 policy="cachecraft:0.5")
         assert again.stats.chunk_hits == 3 and again.stats.chunk_misses == 0
-        rebuilt = {(v.chunk_digest, v.prefix, round(v.cci, 6)) for vs in second.variants._by_chunk.values() for v in vs}
+        rebuilt = {(v.chunk_digest, v.prefix, round(v.cci, 6)) for vs in second.cache.variants._by_chunk.values() for v in vs}
         assert rebuilt == recorded
         second.clear_cache()
-        assert len(second.variants) == 0
+        assert len(second.cache.variants) == 0
         cold = second.generate({"chunks": [C, A, B], "question": "Where?"}, {"max_tokens": 1}, policy="cachecraft")
         assert cold.stats.chunk_misses == 3

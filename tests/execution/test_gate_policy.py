@@ -26,7 +26,7 @@ def _warm(engine) -> None:
 
 def _plan(engine, policy):
     prompt, _, pol = engine.prep.prepare(PROMPT, None, policy, "preserve", "")
-    return engine.planning.plan(prompt, pol, "").plan
+    return engine.cache.plan(prompt, pol, "").plan
 
 
 def _spans(stats) -> tuple[int, int]:

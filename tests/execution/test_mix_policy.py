@@ -92,7 +92,7 @@ def test_the_pick_is_select_mixed_of_probe_and_deviation(tiny_engine, mode):
     tiny_engine.warm(PASSAGES)
     tiny_engine.prefill_logits(PROMPT, policy="reuse")  # the template prefix cached too
     prompt, _, pol = tiny_engine.prep.prepare(PROMPT, None, "reuse", "preserve", "")
-    plan = tiny_engine.planning.plan(prompt, pol, "").plan
+    plan = tiny_engine.cache.plan(prompt, pol, "").plan
     runner = tiny_engine.runner
     fused, fresh = span_masks(plan)
     policy = MixPolicy(0.2, mode)

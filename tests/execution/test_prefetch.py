@@ -62,15 +62,15 @@ def test_prefetched_prefill_equals_synchronous_load_and_lands_in_ram(tiny_llama_
     cache = tmp_path / "kv"
     with cold_engine(tiny_llama_dir, cache, True) as warm:
         warm.warm(PASSAGES)
-        warm.store.flush()
+        warm.cache.store.flush()
     with cold_engine(tiny_llama_dir, cache, False) as sync:
         expected, sync_stats = sync.prefill_logits(PROMPT, policy="cacheblend")
     with cold_engine(tiny_llama_dir, cache, True) as engine:
         result = engine.generate(PROMPT, {"max_tokens": 1}, policy="cacheblend")
         times = result.stats.stage_times
         assert times["prefetch_read_s"] > 0 and times["prefetch_depth"] >= 1 and "prefetch_wait_s" in times
-        assert engine.store.hits_disk == 4 and len(engine.store.ram) == 4  # 3 chunks + the template prefix
-        assert engine.costs.load["disk"] > 0
+        assert engine.cache.store.hits_disk == 4 and len(engine.cache.store.ram) == 4  # 3 chunks + the template prefix
+        assert engine.cache.costs.load["disk"] > 0
     with cold_engine(tiny_llama_dir, cache, True) as engine:
         logits, stats = engine.prefill_logits(PROMPT, policy="cacheblend")
         assert stats.chunk_hits == sync_stats.chunk_hits == 3
@@ -81,7 +81,7 @@ def test_a_file_damaged_mid_read_becomes_a_miss_not_an_error(tiny_llama_dir, tmp
     cache = tmp_path / "kv"
     with cold_engine(tiny_llama_dir, cache, True) as warm:
         warm.warm(PASSAGES)
-        warm.store.flush()
+        warm.cache.store.flush()
         expected = warm.generate(PROMPT, {"max_tokens": 4}, policy="full").token_ids
     for path in sorted(cache.glob("*/*.kv.safetensors")):
         data = bytearray(path.read_bytes())
@@ -99,7 +99,7 @@ def test_probes_and_the_shared_prefill_meet_a_damaged_file_as_requests_do(tiny_l
     cache = tmp_path / "kv"
     with cold_engine(tiny_llama_dir, cache, True) as warm:
         warm.warm(PASSAGES)
-        warm.store.flush()
+        warm.cache.store.flush()
         expected, _ = warm.prefill_logits(PROMPT, policy="full")
     for path in sorted(cache.glob("*/*.kv.safetensors")):
         data = bytearray(path.read_bytes())
@@ -109,11 +109,11 @@ def test_probes_and_the_shared_prefill_meet_a_damaged_file_as_requests_do(tiny_l
     shutil.copytree(cache, damaged_copy)
     with cold_engine(tiny_llama_dir, cache, True) as engine:
         logits, stats = engine.prefill_logits(PROMPT, policy="cacheblend:1.0")
-        assert stats.chunk_misses == 3 and engine.store.disk.corrupt_files_seen > 0
+        assert stats.chunk_misses == 3 and engine.cache.store.disk.corrupt_files_seen > 0
         assert torch.allclose(logits, expected, atol=1e-4)  # everything recomputed: full prefill's logits
     with cold_engine(tiny_llama_dir, damaged_copy, True) as engine:
         run = engine.split.prefix(PROMPT, "cacheblend", "", upto=10_000)
-        assert run.chunk_hits == 0 and run.result is not None and engine.store.disk.corrupt_files_seen > 0
+        assert run.chunk_hits == 0 and run.result is not None and engine.cache.store.disk.corrupt_files_seen > 0
 
 
 def test_bench_prefetch_measures_both_modes_cold(tiny_llama_dir, tmp_path):
@@ -173,13 +173,13 @@ def test_cachetune_sparse_load_equals_full_load_and_is_not_promoted(tiny_llama_d
     with cold_engine(tiny_llama_dir, cache, True) as warm:
         warm.warm(PASSAGES)
         warm.generate(PROMPT, {"max_tokens": 1}, policy="cachetune:0.3")  # stores the template prefix
-        warm.store.flush()
+        warm.cache.store.flush()
     with cold_engine(tiny_llama_dir, cache, False) as sync:
         expected, _ = sync.prefill_logits(PROMPT, policy="cachetune:0.3")
     with cold_engine(tiny_llama_dir, cache, True) as engine:
         result = engine.generate(PROMPT, {"max_tokens": 1}, policy="cachetune:0.3")
         assert result.stats.stage_times["prefetch_rows_skipped"] == result.stats.tokens_recomputed > 0
-        assert len(engine.store.ram) == 1  # only the fully read template prefix; sparse chunks are not kept
+        assert len(engine.cache.store.ram) == 1  # only the fully read template prefix; sparse chunks are not kept
     with cold_engine(tiny_llama_dir, cache, True) as engine:
         logits, stats = engine.prefill_logits(PROMPT, policy="cachetune:0.3")
         assert stats.chunk_hits == 3

@@ -66,7 +66,7 @@ def test_layerwise_loading_tempers_as_the_in_memory_path(tiny_llama_dir, tmp_pat
     cache = tmp_path / "kv"
     with cold_engine(tiny_llama_dir, cache, True) as warm:
         warm.warm(PASSAGES)
-        warm.store.flush()
+        warm.cache.store.flush()
     with cold_engine(tiny_llama_dir, cache, False) as sync:
         expected, stats = sync.prefill_logits(prompt, policy="cacheblend:0.2:temp1.5")
         plain, _ = sync.prefill_logits(prompt, policy="cacheblend:0.2")

@@ -90,9 +90,9 @@ def test_the_warm_up_leaves_no_cache_entry_behind(tiny64):
     from engine_sidecar.execution.kernel_warmup import warm_kernels
 
     with Engine.from_pretrained(tiny64, device="cpu", dtype="float32", disk=False) as engine:
-        before = len(engine.store.ram)
+        before = len(engine.cache.store.ram)
         warm_kernels(engine.runner, long_tokens=64, short_tokens=16)
-        assert len(engine.store.ram) == before == 0
+        assert len(engine.cache.store.ram) == before == 0
         # the runner still answers as before: the warm-up wrote into buffers of its own
         first, _ = engine.prefill_logits(ChunkedPrompt(chunks=PASSAGES[:1], question="Where?"), policy="full")
         assert torch.isfinite(first).all()

@@ -23,12 +23,7 @@ NOT_ENGINES = frozenset({"query_engine", "as_query_engine"})
 
 # path -> why it may still reach past the API. An entry must still have such reads: a file moved
 # onto the API leaves the list.
-ALLOWED: dict[str, str] = {
-    "engine_sidecar/reuse/planner.py": "its local `engine` is the PlanStage the Planner is handed as its "
-                                       "state (reuse/plan_stage.py), not an Engine",
-    "ragcache_lab/fidelity.py": "still reads the runner, builder and preparer directly; it is being reworked "
-                                "alongside the Cache-Craft fidelity runs and moves onto the API after them",
-}
+ALLOWED: dict[str, str] = {}
 
 
 def _is_engine_name(name: str) -> bool:

@@ -42,7 +42,7 @@ class MemoryState:
     def __post_init__(self) -> None:
         self.cptree = CPTree(lambda node: self.store.contains(self.keys.for_node(node)))
 
-    def lookup(self, key: CacheKey) -> ChunkKV | None:
+    def lookup(self, key: CacheKey, lazy: bool = False) -> ChunkKV | None:
         return self.store.get(key)
 
     def precompute_chunk(self, chunk_seg: Segment, prefix: Segment, tenant: str,

@@ -142,7 +142,7 @@ def test_conversation_over_budget_or_expired_is_dropped_cleanly(tiny_llama_dir, 
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
                                 conversation_max_tokens=60) as eng:
         eng.generate(ask(PASSAGES[:2], conversation_id="big"), {"max_tokens": 2})
-        assert len(eng.conversations) == 0  # over its token budget: not kept
+        assert len(eng.cache.conversations) == 0  # over its token budget: not kept
         second = eng.generate(ask(PASSAGES[:1], "Next?", "big"), {"max_tokens": 2})
         assert second.stats.plan[0]["kind"] == "prefix"
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
@@ -157,14 +157,14 @@ def test_kept_conversations_stay_within_their_count_and_byte_budget(tiny_llama_d
                                 conversation_max_count=3) as eng:
         for i in range(5):
             eng.generate(ask(PASSAGES[:1], conversation_id=f"c{i}"), {"max_tokens": 2})
-        assert len(eng.conversations) == 3 and eng.conversations.evicted == 2
-        one = next(iter(eng.conversations._items.values())).history.nbytes
+        assert len(eng.cache.conversations) == 3 and eng.cache.conversations.evicted == 2
+        one = next(iter(eng.cache.conversations._items.values())).history.nbytes
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", cache_dir=tmp_path / "kv",
                                 conversation_ram_bytes=int(2.5 * one)) as eng:
         for i in range(5):
             eng.generate(ask(PASSAGES[:1], conversation_id=f"c{i}"), {"max_tokens": 2})
-            assert eng.conversations.bytes <= eng.config.conversations.ram_bytes
-        assert len(eng.conversations) == 2
+            assert eng.cache.conversations.bytes <= eng.config.conversations.ram_bytes
+        assert len(eng.cache.conversations) == 2
         # the most recent ones are kept: the next turn of c4 continues from its history
         follow = eng.generate(ask(PASSAGES[:1], "More?", "c4"), {"max_tokens": 2})
         assert follow.stats.plan[0]["kind"] == "history"

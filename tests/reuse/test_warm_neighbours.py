@@ -55,7 +55,7 @@ def ask(chunks, question="Which river reaches the Atlantic?") -> ChunkedPrompt:
 
 def in_context_entry(engine: Engine, text: str):
     token_ids = engine.builder.chunk_segment(Chunk(text=text)).token_ids
-    return engine.store.get(engine.keys.for_tokens(token_ids, "", IN_CONTEXT))
+    return engine.cache.store.get(engine.cache.keys.for_tokens(token_ids, "", IN_CONTEXT))
 
 
 def test_warmed_kv_is_what_a_request_with_those_neighbours_computes(tiny_llama_dir, tmp_path):
@@ -77,7 +77,7 @@ def test_warmed_kv_is_what_a_request_with_those_neighbours_computes(tiny_llama_d
         assert mine.meta["start"] == theirs.meta["start"]
         assert torch.allclose(mine.keys, theirs.keys, atol=1e-5) and torch.allclose(mine.values, theirs.values, atol=1e-5)
         # and it differs from the chunk computed alone: the check above could fail
-        alone = warmed.precompute.compute_chunk_kv(warmed.builder.chunk_segment(Chunk(text=target)),
+        alone = warmed.cache.precompute.compute_chunk_kv(warmed.builder.chunk_segment(Chunk(text=target)),
                                                    warmed.builder.prefix_segment("s"), "")
         assert (alone.values - mine.values).abs().max().item() > 1e-3
 
@@ -89,7 +89,7 @@ def test_fusion_uses_the_warmed_kv_and_ratio_one_still_equals_full(tiny_engine):
     assert (stats.chunk_hits, stats.chunk_misses) == (3, 0)
     for text in PASSAGES:  # no copy computed alone exists: the hits are the neighbour-warmed KV
         token_ids = tiny_engine.builder.chunk_segment(Chunk(text=text)).token_ids
-        assert not tiny_engine.store.contains(tiny_engine.keys.for_tokens(token_ids, "", "isolated"))
+        assert not tiny_engine.cache.store.contains(tiny_engine.cache.keys.for_tokens(token_ids, "", "isolated"))
     full, _ = tiny_engine.prefill_logits(prompt, policy="full")
     everything, _ = tiny_engine.prefill_logits(prompt, policy="cacheblend:1.0")
     assert (everything - full).abs().max().item() <= 1e-4

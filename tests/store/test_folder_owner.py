@@ -36,7 +36,7 @@ else:
     from engine_sidecar import Engine
     with Engine.from_pretrained(model, dtype="float32", cache_dir=folder) as engine:
         engine.warm([sys.argv[4]])
-        engine.store.flush()
+        engine.cache.store.flush()
         print("ready", flush=True)
         sys.stdin.readline()
 """

@@ -133,4 +133,4 @@ def test_the_engine_leaves_the_host_tier_off_on_a_cpu(tiny_llama_dir):
     from engine_sidecar.engine.engine import Engine
 
     with Engine.from_pretrained(tiny_llama_dir, device="cpu", disk=False, host_cache_bytes=1 << 20) as engine:
-        assert engine.store.host is None
+        assert engine.cache.store.host is None

@@ -461,14 +461,14 @@ def test_engine_b_reuses_what_engine_a_computed_through_redis(tiny_llama_dir, se
     with engine(tiny_llama_dir, server.url) as first:
         assert first.warm(PASSAGES) == 3
         expected = first.generate(PROMPT, {"max_tokens": 5}).token_ids
-        first.store.flush()
+        first.cache.store.flush()
     with engine(tiny_llama_dir, server.url) as second:
-        assert len(second.store.ram) == 0
+        assert len(second.cache.store.ram) == 0
         result = second.generate(PROMPT, {"max_tokens": 5})
         assert result.stats.chunk_hits == 3
-        assert second.store.stats().hits_redis >= 3
+        assert second.cache.store.stats().hits_redis >= 3
         assert result.token_ids == expected
-        assert second.costs.load.get("redis", 0) > 0  # Redis reads feed `:auto` policies' load cost
+        assert second.cache.costs.load.get("redis", 0) > 0  # Redis reads feed `:auto` policies' load cost
     with engine(tiny_llama_dir, server.url) as fresh:
         auto = fresh.generate(PROMPT, {"max_tokens": 1}, policy="cacheblend:auto")
         assert auto.stats.chunk_hits == 3 and any("for the redis tier" in note for note in auto.stats.notes)
@@ -478,7 +478,7 @@ def test_engine_b_reuses_what_engine_a_computed_through_redis(tiny_llama_dir, se
     with engine(tiny_llama_dir, server.url) as third:
         full = third.generate(PROMPT, {"max_tokens": 5}, policy="full")
         result = third.generate(PROMPT, {"max_tokens": 5})
-        assert result.stats.chunk_misses == 3 and third.store.stats().redis_corrupt >= 3
+        assert result.stats.chunk_misses == 3 and third.cache.store.stats().redis_corrupt >= 3
         assert result.token_ids == full.token_ids  # recomputed in place: full prefill's answer
 
 
@@ -490,7 +490,7 @@ def test_engine_with_redis_gone_still_answers(tiny_llama_dir):
             first = alone.generate(PROMPT, {"max_tokens": 5})
             again = alone.generate(PROMPT, {"max_tokens": 5})
             assert again.stats.chunk_hits == 3 and again.token_ids == first.token_ids  # RAM still serves
-            stats = alone.store.stats()
+            stats = alone.cache.store.stats()
             assert stats.redis_errors >= 3 and stats.redis_breaker_opens >= 1
 
 
@@ -504,7 +504,7 @@ def test_cache_stats_and_metrics_show_the_redis_tier(tiny_llama_dir, server):
     server.client().flushdb()
     with engine(tiny_llama_dir, server.url) as first:
         first.warm(PASSAGES)
-        first.store.flush()
+        first.cache.store.flush()
     with engine(tiny_llama_dir, server.url) as second:
         assert f"Redis {server.url}" in banner(second, ServerSettings(), "http://x")
         with TestClient(create_app(second, ServerSettings())) as client:

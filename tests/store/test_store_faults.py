@@ -74,7 +74,7 @@ def test_cachetune_from_disk_with_prefetch_equals_a_synchronous_load(tiny_llama_
     with engine(tiny_llama_dir, cache) as warm:
         warm.warm(PASSAGES)
         warm.generate(PROMPT, {"max_tokens": 1}, policy="cachetune:0.3")  # also stores the template prefix
-        warm.store.flush()
+        warm.cache.store.flush()
     if case == "no-scores":
         strip_scores(cache)
     policy = CacheTunePolicy(0.3, cutoff=0.3 if case == "cutoff" else 0.5)
@@ -83,7 +83,7 @@ def test_cachetune_from_disk_with_prefetch_equals_a_synchronous_load(tiny_llama_
         assert stats.chunk_hits == 3
     with engine(tiny_llama_dir, cache, prefetch=True) as prefetched:
         logits, stats = prefetched.prefill_logits(PROMPT, policy=policy)
-        assert stats.chunk_hits == 3 and prefetched.store.hits_disk >= 3
+        assert stats.chunk_hits == 3 and prefetched.cache.store.hits_disk >= 3
     assert not torch.isnan(logits).any()
     assert torch.allclose(logits, expected, atol=1e-5), (logits - expected).abs().max()
 
@@ -94,7 +94,7 @@ def test_flipped_bytes_in_every_file_are_detected_recomputed_and_counted(tiny_ll
     cache = tmp_path / "kv"
     with engine(tiny_llama_dir, cache) as warm:
         warm.warm(PASSAGES)
-        warm.store.flush()
+        warm.cache.store.flush()
     with engine(tiny_llama_dir, None) as fresh:
         expected, _ = fresh.prefill_logits(PROMPT, policy="cacheblend")
     files = cache_files(cache)
@@ -107,7 +107,7 @@ def test_flipped_bytes_in_every_file_are_detected_recomputed_and_counted(tiny_ll
     with engine(tiny_llama_dir, cache, prefetch=prefetch) as damaged:
         logits, stats = damaged.prefill_logits(PROMPT, policy="cacheblend")
         assert stats.chunk_hits == 0 and stats.chunk_misses == 3  # nothing damaged was served
-        assert damaged.store.stats().corrupt_files == 3
+        assert damaged.cache.store.stats().corrupt_files == 3
         # recomputed in place, exactly as a fresh engine computes a miss
         assert torch.allclose(logits, expected, atol=1e-5)
         assert not any(p.exists() for p in files)
@@ -118,14 +118,14 @@ def serve_through_a_full_disk(model_dir: Path, cache: Path) -> Engine:
     eng = engine(model_dir, cache)
     chunks = [passage(i, sentences=20) for i in range(3, 12)]
     eng.warm(chunks)
-    assert eng.store.disk.flush(timeout_s=60)
+    assert eng.cache.store.disk.flush(timeout_s=60)
     with engine(model_dir, None) as ram_only:  # the same chunks warmed, no disk at all
         ram_only.warm(chunks[-3:])
         expected, _ = ram_only.prefill_logits({"chunks": chunks[-3:], "question": "Which site?"}, policy="reuse")
     got, stats = eng.prefill_logits({"chunks": chunks[-3:], "question": "Which site?"}, policy="reuse")
     assert stats.chunk_hits == 3  # served from RAM although the disk refused them
     assert torch.allclose(got, expected, atol=1e-5)
-    assert eng.store.disk.flush(timeout_s=60)  # the template prefix, stored by that request
+    assert eng.cache.store.disk.flush(timeout_s=60)  # the template prefix, stored by that request
     assert temp_files(cache) == []
     return eng
 
@@ -141,7 +141,7 @@ def test_a_full_disk_fails_writes_cleanly_and_serving_continues(tiny_llama_dir, 
     monkeypatch.setattr(disk_module, "_write_file", full)
     eng = serve_through_a_full_disk(tiny_llama_dir, tmp_path / "kv")
     try:
-        stats = eng.store.stats()
+        stats = eng.cache.store.stats()
         # every write failed (9 chunks and the template prefix), and left nothing behind
         assert stats.disk_write_failures == stats.ram_entries == 10 and stats.disk_entries == 0
         assert cache_files(tmp_path / "kv") == []
@@ -169,14 +169,14 @@ def test_a_real_full_filesystem_fails_writes_cleanly_and_serving_continues(tiny_
     cache = tiny_filesystem / "kv"
     eng = serve_through_a_full_disk(tiny_llama_dir, cache)  # 9 files of ~320 KB on 1 MiB
     try:
-        stats = eng.store.stats()
+        stats = eng.cache.store.stats()
         assert stats.disk_write_failures >= 5 and stats.disk_entries >= 1
         assert stats.disk_write_failures + stats.disk_entries == stats.ram_entries == 10  # each written or counted
-        assert "No space left" in eng.store.disk.counters.errors[-1]
+        assert "No space left" in eng.cache.store.disk.counters.errors[-1]
         on_disk = sum(p.stat().st_size for p in cache_files(cache))
         assert stats.disk_bytes == on_disk  # only whole files, each in the index
         restarted = engine(tiny_llama_dir, cache)
-        assert restarted.store.stats().disk_entries == stats.disk_entries
+        assert restarted.cache.store.stats().disk_entries == stats.disk_entries
         restarted.close()
     finally:
         eng.close()
