@@ -183,6 +183,27 @@ def _retry_delay(attempt: int, backoff_s: float, response: httpx.Response | None
     return backoff_s * 2**attempt
 
 
+def _pause_after_connect_timeout(exc: httpx.ConnectTimeout, attempt: int, retries: int, backoff_s: float,
+                                 deadline: _Deadline) -> float:
+    """The pause before trying again a connection that timed out (nothing was sent, so a retry is
+    safe); raises when no retry is left or none could start before the deadline."""
+    delay = _retry_delay(attempt, backoff_s, None)
+    if attempt == retries or not deadline.allows(delay):
+        raise _transport_error(exc, deadline) from exc
+    return delay
+
+
+def _pause_after_error_status(response: httpx.Response, body: bytes, attempt: int, retries: int, backoff_s: float,
+                              deadline: _Deadline) -> float:
+    """The pause before sending again a request the server turned away for now (429, 503, ...);
+    otherwise, or with no retry left that could start in time, the server's own answer is raised."""
+    if response.status_code in _RETRY_STATUS and attempt < retries:
+        delay = _retry_delay(attempt, backoff_s, response)
+        if deadline.allows(delay):
+            return delay
+    raise _error_from(response.status_code, body, response.reason_phrase)
+
+
 def _generate_body(prompt: ChunkedPrompt | dict, sampling: SamplingParams | dict | None, policy: str, order: str,
                    stream: bool) -> dict[str, Any]:
     request = GenerateRequest.model_validate({
@@ -314,15 +335,11 @@ class RagCacheClient:
         """Send with retries within the deadline; the response is returned open (stream=True) or
         read, never an error."""
         for attempt in range(self.retries + 1):
-            last = attempt == self.retries
             request = self._http.build_request(method, path, timeout=deadline.left(), **kw)
             try:
                 response = self._http.send(request, stream=stream)
-            except httpx.ConnectTimeout as exc:  # nothing was sent: safe to retry
-                delay = _retry_delay(attempt, self.backoff_s, None)
-                if last or not deadline.allows(delay):
-                    raise _transport_error(exc, deadline) from exc
-                time.sleep(delay)
+            except httpx.ConnectTimeout as exc:
+                time.sleep(_pause_after_connect_timeout(exc, attempt, self.retries, self.backoff_s, deadline))
                 continue
             except httpx.TransportError as exc:  # refused (say so now), or the work may have started: no retry
                 raise _transport_error(exc, deadline) from exc
@@ -333,13 +350,7 @@ class RagCacheClient:
             except httpx.TransportError:
                 body = b""
             response.close()
-            if response.status_code in _RETRY_STATUS and not last:
-                delay = _retry_delay(attempt, self.backoff_s, response)
-                if deadline.allows(delay):
-                    time.sleep(delay)
-                    continue
-            # no retry left, or none that could start in time: the server's own answer says why
-            raise _error_from(response.status_code, body, response.reason_phrase)
+            time.sleep(_pause_after_error_status(response, body, attempt, self.retries, self.backoff_s, deadline))
         raise AssertionError("unreachable")
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
@@ -462,16 +473,13 @@ class AsyncRagCacheClient:
 
     async def _send(self, method: str, path: str, deadline: _Deadline, stream: bool = False,
                     **kw: Any) -> httpx.Response:
+        """RagCacheClient._send, awaitable."""
         for attempt in range(self.retries + 1):
-            last = attempt == self.retries
             request = self._http.build_request(method, path, timeout=deadline.left(), **kw)
             try:
                 response = await _within(deadline, functools.partial(self._http.send, request, stream=stream))
-            except httpx.ConnectTimeout as exc:  # nothing was sent: safe to retry
-                delay = _retry_delay(attempt, self.backoff_s, None)
-                if last or not deadline.allows(delay):
-                    raise _transport_error(exc, deadline) from exc
-                await asyncio.sleep(delay)
+            except httpx.ConnectTimeout as exc:
+                await asyncio.sleep(_pause_after_connect_timeout(exc, attempt, self.retries, self.backoff_s, deadline))
                 continue
             except httpx.TransportError as exc:  # refused (say so now), or the work may have started: no retry
                 raise _transport_error(exc, deadline) from exc
@@ -482,12 +490,8 @@ class AsyncRagCacheClient:
             except httpx.TransportError:
                 body = b""
             await response.aclose()
-            if response.status_code in _RETRY_STATUS and not last:
-                delay = _retry_delay(attempt, self.backoff_s, response)
-                if deadline.allows(delay):
-                    await asyncio.sleep(delay)
-                    continue
-            raise _error_from(response.status_code, body, response.reason_phrase)
+            await asyncio.sleep(_pause_after_error_status(response, body, attempt, self.retries, self.backoff_s,
+                                                          deadline))
         raise AssertionError("unreachable")
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
