@@ -30,7 +30,7 @@ def serve(args: argparse.Namespace, make_engine: Callable[[argparse.Namespace], 
     import uvicorn
 
     from engine_sidecar.server.app import create_app
-    from engine_sidecar.server.backend import EngineBackend, ServingBackend
+    from engine_sidecar.server.backend import RagcacheBackend, ServingBackend
 
     settings = settings_from_args(args, "ragcache")  # flag errors before the model loads
     backend: ServingBackend
@@ -43,7 +43,7 @@ def serve(args: argparse.Namespace, make_engine: Callable[[argparse.Namespace], 
         backend, describe = vllm, lambda address: vllm_banner(vllm, settings, address)
     else:
         engine = make_engine(args)
-        backend, describe = EngineBackend(engine), lambda address: banner(engine, settings, address)
+        backend, describe = RagcacheBackend(engine), lambda address: banner(engine, settings, address)
     close_once = _once(backend.close)  # the disk tier flushed, or the vLLM child stopped
     try:
         settings = dataclasses.replace(settings, model_name=backend.facts().model)

@@ -1,6 +1,6 @@
 """What the routes ask of the engine behind them: the seam between the HTTP API and an engine.
 
-`EngineBackend` is ragcache's own engine (`ragcache serve`, the default); `VllmBackend`
+`RagcacheBackend` is ragcache's own engine (`ragcache serve`, the default); `VllmBackend`
 (vllm_backend/serving.py) is vLLM with ragcache's KV connector (`ragcache serve --engine vllm`). A
 generation is an iterator run on the engine worker (worker.py): text deltas, then one
 GenerationResult; errors raised before the first item become ordinary HTTP errors.
@@ -86,7 +86,7 @@ def stream_events(stream: GenerationStream) -> Iterator[Event]:
     yield stream.result
 
 
-class EngineBackend:
+class RagcacheBackend:
     """ragcache's own engine, in this process."""
 
     name = "ragcache"
@@ -146,8 +146,8 @@ def as_backend(target: Engine | ServingBackend | None) -> ServingBackend:
     """create_app takes an Engine (tests, replicas) or a ready backend."""
     if target is not None and hasattr(target, "facts") and hasattr(target, "check_policy"):
         return target  # type: ignore[return-value]
-    return EngineBackend(target)  # type: ignore[arg-type]
+    return RagcacheBackend(target)  # type: ignore[arg-type]
 
 
-__all__ = ["EngineBackend", "EngineFacts", "Event", "GenerationResult", "ServingBackend", "StoreFacts", "as_backend",
+__all__ = ["RagcacheBackend", "EngineFacts", "Event", "GenerationResult", "ServingBackend", "StoreFacts", "as_backend",
            "stream_events"]
