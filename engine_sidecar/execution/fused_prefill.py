@@ -22,7 +22,7 @@ from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.policies import KeptRows, LayerView, Policy
 from engine_sidecar.execution.prefetch import LayerPrefetcher, PrefetchTimes
-from engine_sidecar.execution.prophet import ReusedKV
+from engine_sidecar.execution.question_probe import ReusedKV
 from engine_sidecar.model.runner import QKV, ModelRunner, RopeTables
 from engine_sidecar.store.entry import ChunkKV
 from ragcache_kernels import dispatch

@@ -12,7 +12,7 @@ import torch
 
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.policies import GatePolicy, ProphetPolicy, parse_policy, span_masks
-from engine_sidecar.execution.prophet import first_token_margin, probe
+from engine_sidecar.execution.question_probe import first_token_margin, probe
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
 from tests.policy_prompt import PASSAGES, PROMPT, QUESTION
 

@@ -13,7 +13,7 @@ import torch
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.mix import percentile_ranks, rank_average, select_mixed
 from engine_sidecar.execution.policies import LayerView, MixPolicy, parse_policy, span_masks
-from engine_sidecar.execution.prophet import probe_scores
+from engine_sidecar.execution.question_probe import probe_scores
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
 from tests.policy_prompt import PASSAGES, PROMPT
 

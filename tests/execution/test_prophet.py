@@ -13,7 +13,7 @@ import torch
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.fused_prefill import fused_prefill
 from engine_sidecar.execution.policies import ProphetPolicy, ReusePolicy, parse_policy, span_masks
-from engine_sidecar.execution.prophet import (
+from engine_sidecar.execution.question_probe import (
     attention_scores,
     probe_attention,
     probe_scores,
@@ -247,7 +247,7 @@ def test_the_probe_is_invisible_to_the_benchs_per_layer_capture(tiny_engine):
 def test_the_probe_reads_the_prefills_buffer_with_the_same_scores(tiny_engine):
     """Given the prefill's KV buffer (cached rows in place, keys rotated), the probe computes the
     very scores it computes from the plan's entries into a buffer of its own."""
-    from engine_sidecar.execution.prophet import ReusedKV, probe
+    from engine_sidecar.execution.question_probe import ReusedKV, probe
 
     tiny_engine.warm(PASSAGES)
     plan = plan_of(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")

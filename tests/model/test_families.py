@@ -17,7 +17,7 @@ from engine_sidecar.execution.batched_decode import decode_batch, decode_step
 from engine_sidecar.execution.fused_prefill import fused_prefill
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import CacheBlendPolicy, FullPolicy, ReusePolicy
-from engine_sidecar.execution.prophet import probe
+from engine_sidecar.execution.question_probe import probe
 from engine_sidecar.model.families import load_config
 from engine_sidecar.model.families.phi3 import rotary_layout
 from engine_sidecar.model.runner import ModelRunner

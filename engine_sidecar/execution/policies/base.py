@@ -19,7 +19,7 @@ import torch
 from engine_sidecar.execution.plan import FusionPlan
 
 if TYPE_CHECKING:
-    from engine_sidecar.execution.prophet import ReusedKV
+    from engine_sidecar.execution.question_probe import ReusedKV
     from engine_sidecar.model.runner import ModelRunner
     from ragcache_integrations.policy_registry import PolicySpec
 

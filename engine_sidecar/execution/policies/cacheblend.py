@@ -14,7 +14,7 @@ from engine_sidecar.execution.policies.base import KeptRows, LayerView, Policy, 
 from ragcache_integrations.policy_registry import PolicySpec
 
 if TYPE_CHECKING:
-    from engine_sidecar.execution.prophet import ReusedKV
+    from engine_sidecar.execution.question_probe import ReusedKV
     from engine_sidecar.model.runner import ModelRunner
 
 
@@ -154,7 +154,7 @@ class MixPolicy(CacheBlendPolicy):
         return {**super().decisions(), "probe_token_layers": self.probe_token_layers}
 
     def prepare(self, runner: ModelRunner, plan: FusionPlan, reused: ReusedKV | None = None) -> int:
-        from engine_sidecar.execution.prophet import probe_scores
+        from engine_sidecar.execution.question_probe import probe_scores
 
         fused = span_masks(plan)[0]
         self.question_scores = torch.zeros(plan.num_tokens)

@@ -14,7 +14,7 @@ from engine_sidecar.execution.policies.base import Policy, span_masks
 from ragcache_integrations.policy_registry import PolicySpec
 
 if TYPE_CHECKING:
-    from engine_sidecar.execution.prophet import ReusedKV
+    from engine_sidecar.execution.question_probe import ReusedKV
     from engine_sidecar.model.runner import ModelRunner
 
 
@@ -52,7 +52,7 @@ class ProphetPolicy(Policy):
         return {**super().decisions(), "probe_token_layers": self.probe_token_layers, "selected": int(self.selected.sum())}
 
     def prepare(self, runner: ModelRunner, plan: FusionPlan, reused: ReusedKV | None = None) -> int:
-        from engine_sidecar.execution.prophet import probe_scores
+        from engine_sidecar.execution.question_probe import probe_scores
 
         fused, budget = self._budget(plan)
         if budget >= int(fused.sum()) or budget <= 0:  # all or nothing: no scores needed
@@ -69,7 +69,7 @@ class ProphetPolicy(Policy):
         return fused, min(math.ceil(self.ratio * int(fused.sum()) - 1e-9), int(fused.sum()))
 
     def _top(self, scores: torch.Tensor, fused: torch.Tensor, budget: int, plan: FusionPlan) -> torch.Tensor:
-        from engine_sidecar.execution.prophet import select_with_windows
+        from engine_sidecar.execution.question_probe import select_with_windows
 
         segments = [(s.start, s.end) for s in plan.spans if s.mode == "fuse"]
         return select_with_windows(scores, fused, budget, self.radius, segments)
@@ -114,7 +114,7 @@ class GatePolicy(ProphetPolicy):
                 "margin": None if math.isnan(self.margin) else self.margin}
 
     def prepare(self, runner: ModelRunner, plan: FusionPlan, reused: ReusedKV | None = None) -> int:
-        from engine_sidecar.execution.prophet import first_token_margin, probe
+        from engine_sidecar.execution.question_probe import first_token_margin, probe
 
         fused, budget = self._budget(plan)
         self.margin = math.nan
