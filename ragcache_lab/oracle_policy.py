@@ -14,13 +14,13 @@ server's policy registry does not know the name.
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.plan import FusionPlan
-from engine_sidecar.execution.policies import Policy, span_masks
+from engine_sidecar.execution.policies import CacheUse, PrefillView, RatioPolicy, Selection, span_masks
 from ragcache_lab.policy_specs import ORACLE
 
 NAME = ORACLE
@@ -59,42 +59,37 @@ def kv_deviation(plan: FusionPlan, full_keys_pre: torch.Tensor, full_values: tor
     return scores
 
 
-class OraclePolicy(Policy):
+@dataclass(frozen=True, eq=False)
+class OraclePolicy(RatioPolicy):
     """Recompute the top ceil(r * fused tokens) by `kv_deviation` from layer 0; the rest keep
-    their cached KV. At r = 1 every fused token is recomputed: full prefill."""
+    their cached KV. At r = 1 every fused token is recomputed: full prefill. Its stats say what
+    share of the picks sit in their chunk's first HEAD tokens (`head_share`)."""
 
     name = NAME
-    needs_cached_kv = True  # the deviation reads every cached layer before layer 0
-    keeps_initial_active = True
+    full_keys_pre: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    full_values: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
-    def __init__(self, ratio: float, full_keys_pre: torch.Tensor, full_values: torch.Tensor):
-        if not 0.0 <= ratio <= 1.0:
-            raise InvalidPromptError(f"oracle ratio must be in [0, 1], got {ratio}")
-        self.ratio = ratio
-        self.full_keys_pre, self.full_values = full_keys_pre, full_values
-        self.reset()
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise InvalidPromptError(f"oracle ratio must be in [0, 1], got {self.ratio}")
 
-    def reset(self) -> None:
-        self.selected = torch.zeros(0, dtype=torch.long)  # global indices picked for this request's plan
-        self.head_share = 0.0  # share of those within the first HEAD tokens of their chunk
+    def cache_use(self) -> CacheUse:
+        return CacheUse(reads_all_layers_first=True)  # the deviation reads every cached layer before layer 0
 
-    def decisions(self) -> dict[str, Any]:
-        return {"head_share": self.head_share}
-
-    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
+    def select(self, view: PrefillView) -> Selection:
+        plan = view.plan
         fused, fresh = span_masks(plan)
         active = fresh.clone()
         budget = min(math.ceil(self.ratio * int(fused.sum()) - 1e-9), int(fused.sum()))
+        selected = torch.zeros(0, dtype=torch.long)  # global indices picked
         if budget > 0:
             scores = kv_deviation(plan, self.full_keys_pre, self.full_values)
-            self.selected = torch.topk(scores, budget).indices.sort().values
-            active[self.selected] = True
-        else:
-            self.selected = torch.zeros(0, dtype=torch.long)
+            selected = torch.topk(scores, budget).indices.sort().values
+            active[selected] = True
         # where the picks sit: CacheBlend's concentrate in each chunk's first tokens (the sink)
         head = torch.zeros(plan.num_tokens, dtype=torch.bool)
         for span in plan.spans:
             if span.mode == "fuse":
                 head[span.start : span.start + min(HEAD, len(span))] = True
-        self.head_share = float(head[self.selected].float().mean()) if len(self.selected) else 0.0
-        return active
+        head_share = float(head[selected].float().mean()) if len(selected) else 0.0
+        return Selection(active, fixed=True, decided={"head_share": head_share})

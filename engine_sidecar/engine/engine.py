@@ -27,7 +27,7 @@ from engine_sidecar.engine.eos import eos_token_ids
 from engine_sidecar.engine.prefill_stage import PrefillStage
 from engine_sidecar.engine.probes import FidelityProbes
 from engine_sidecar.engine.request_prep import RequestPreparer
-from engine_sidecar.engine.scheduler import Scheduler
+from engine_sidecar.engine.scheduler import KVRows, Scheduler
 from engine_sidecar.engine.sequence import GenerationStream, Sequence
 from engine_sidecar.engine.sequence_steps import SequenceSteps
 from engine_sidecar.engine.split_prefill import PrefixRun, SplitPrefill
@@ -74,7 +74,7 @@ PUBLIC_API = frozenset({
     "prefill_logits", "teacher_forced_logits", "measure_full_prefill",
     "warm", "warm_report", "wait_background", "neighbour_pool", "chunk_kv", "clear_cache",
     "split_prefix", "split_learn",
-    "health", "stats", "held_chunk_ids", "load_cost_ratio",
+    "health", "stats", "reset_kv_peaks", "held_chunk_ids", "load_cost_ratio",
     "eos_ids", "max_context", "model_dir", "num_layers", "encode", "decode", "prompt_token_ids",
     "model_runner", "tokenizer", "chunk_store", "settings", "use_prefill_graphs", "decode_graphs",
     "attention_temperatures",
@@ -104,6 +104,7 @@ class EngineStats:
     cptree_nodes: int
     waiting: int  # sequences queued for the scheduler
     running: int  # sequences it is decoding
+    kv_rows: KVRows  # KV rows the running sequences reserve and use, with their peaks
 
 
 class Engine:
@@ -213,7 +214,8 @@ class Engine:
         def read() -> EngineStats:
             held = self.cache.stats()
             return EngineStats(store=held.store, conversations=held.conversations, cptree_nodes=held.cptree_nodes,
-                               waiting=self.scheduler.waiting, running=self.scheduler.running)
+                               waiting=self.scheduler.waiting, running=self.scheduler.running,
+                               kv_rows=self.scheduler.kv_rows)
 
         for _ in range(3):
             try:
@@ -222,6 +224,10 @@ class Engine:
                 continue
         with self._lock:  # the stepping thread kept winning the race: wait for the step to end
             return read()
+
+    def reset_kv_peaks(self) -> None:
+        """Start `stats().kv_rows`' peaks again from what the running sequences hold now."""
+        self.scheduler.reset_kv_peaks()
 
     def held_chunk_ids(self) -> tuple[set[str], set[str]]:
         """Chunk ids whose KV this engine holds in RAM, and those it holds only in a lower tier
@@ -366,7 +372,8 @@ class Engine:
         self.prep.check_total(len(assembled), sampling.max_tokens)
         seg = assembled.segments[0]
         plan = FusionPlan([PlanSpan("question", 0, seg.token_ids, "fresh")], "full")
-        seq = Sequence(sampling, parse_policy("full"), "", None, PlannedRequest(plan), len(assembled), t0)
+        full = parse_policy("full")
+        seq = Sequence(sampling, full, "", None, PlannedRequest(plan, policy=full), len(assembled), t0)
         self.scheduler.submit(seq)
         return GenerationStream(seq.events())
 

@@ -11,7 +11,6 @@ from engine_sidecar.execution.costs import CostMeter
 from engine_sidecar.execution.fused_prefill import PrefillResult, fused_prefill
 from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.execution.plan import FusionPlan
-from engine_sidecar.execution.policies import Policy
 from engine_sidecar.execution.prefetch import preload_depth
 from engine_sidecar.execution.prefill_graphs import PrefillGraphs
 from engine_sidecar.model.runner import ModelRunner
@@ -27,11 +26,11 @@ class PrefillStage:
         rows from CUDA graphs."""
         self.runner, self.store, self.costs, self.graphs = runner, store, costs, graphs
 
-    def run(self, planned: PlannedRequest, policy: Policy, capacity: int, times: dict[str, float],
+    def run(self, planned: PlannedRequest, capacity: int, times: dict[str, float],
             replan: Callable[[], PlannedRequest] | None, upto: int | None = None,
             allocate: Callable[[int], KVBuffer] | None = None) -> tuple[PlannedRequest, PrefillResult]:
-        """Run the plan (disk-tier KV prefetched layer by layer), learn costs, promote what was
-        read to RAM. A file found damaged mid-read was deleted: plan again reading whole files.
+        """Run the plan with its policy (disk-tier KV prefetched layer by layer), learn costs,
+        promote what was read to RAM. A file found damaged mid-read was deleted: plan again reading whole files.
         With `upto`, only the spans that start before it run, without logits (a prefill another
         engine finishes)."""
         for attempt in (0, 1):
@@ -39,8 +38,9 @@ class PrefillStage:
             plan, observer = planned.plan, planned.observer()
             if upto is not None:
                 plan, observer = FusionPlan([s for s in plan.spans if s.start < upto], plan.policy), None
+            assert planned.policy is not None, "a plan from ReuseCache.plan names its policy"
             try:
-                result = fused_prefill(self.runner, plan, policy, capacity=capacity, need_logits=upto is None,
+                result = fused_prefill(self.runner, plan, planned.policy, capacity=capacity, need_logits=upto is None,
                                        observer=observer, prefetch_depth=self._preload_depth(planned),
                                        allocate=allocate, graphs=self.graphs)
             except DamagedCacheFile:

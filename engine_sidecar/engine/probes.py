@@ -59,7 +59,7 @@ class FidelityProbes:
             rows = [result.logits]
             rows += [decode_step(self.runner, result.kv, token) for token in continuation]
             self._give_back(result)
-        stats = request_stats(planned, result, time.perf_counter() - t0, pol, {}, self.runner.num_layers,
+        stats = request_stats(planned, result, time.perf_counter() - t0, {}, self.runner.num_layers,
                               self.convention)
         return torch.stack(rows), stats
 
@@ -73,7 +73,7 @@ class FidelityProbes:
         self.prep.validate(prompt, 1)
         with self._lock:
             planned, result = self._run(prompt, pol, tenant, 0)
-        stats = request_stats(planned, result, time.perf_counter() - t0, pol, {}, self.runner.num_layers,
+        stats = request_stats(planned, result, time.perf_counter() - t0, {}, self.runner.num_layers,
                               self.convention)
         return tuple(planned.plan.token_ids), result, stats
 
@@ -96,7 +96,7 @@ class FidelityProbes:
         `extra_capacity` more tokens, check, commit."""
         planned = self.cache.plan(prompt, policy, tenant)
         replan = functools.partial(self.cache.plan, prompt, policy, tenant, lazy=False)
-        planned, result = self.prefill.run(planned, policy, planned.plan.num_tokens + extra_capacity, {}, replan,
+        planned, result = self.prefill.run(planned, planned.plan.num_tokens + extra_capacity, {}, replan,
                                            allocate=allocate)
         self.cache.commit(planned, result, tenant)
         return planned, result

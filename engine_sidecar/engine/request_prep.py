@@ -44,8 +44,8 @@ class RequestPreparer:
         prompt = prompt if isinstance(prompt, ChunkedPrompt) else ChunkedPrompt.model_validate(prompt)
         sampling = sampling if isinstance(sampling, SamplingParams) else SamplingParams.model_validate(sampling or {})
         self.check_sampling(sampling)
-        # a Policy the caller passes is a spec: this request selects with its own copy
-        pol = policy.for_request() if isinstance(policy, Policy) else parse_policy(policy, self.temperatures)
+        # a Policy the caller passes is a frozen spec: the request's selection is its own
+        pol = policy if isinstance(policy, Policy) else parse_policy(policy, self.temperatures)
         check_order(order)
         # counts are per tenant: one tenant's traffic must not reorder (or reveal) another's chunks
         self.access_table.record([access_key(tenant, c.id or "") for c in prompt.chunks])

@@ -17,10 +17,12 @@ new ones are refused, and `failure` says why (`/health` answers 503 with it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -55,6 +57,19 @@ class SchedulerClosed(EngineUnavailableError):
     pass
 
 
+@dataclass(frozen=True)
+class KVRows:
+    """KV rows (one per token, every layer) the running sequences hold: `reserved` is their buffers'
+    capacity (prompt + max_tokens + 1 each, what admission counts), `used` the rows written so far.
+    Each `peak_` is the most seen at the end of a prefill or decode step since the engine started,
+    or since `Scheduler.reset_kv_peaks`."""
+
+    reserved: int = 0
+    used: int = 0
+    peak_reserved: int = 0
+    peak_used: int = 0
+
+
 class Scheduler:
     def __init__(self, decode: BatchDecode, lock: threading.RLock, steps: SequenceStepper, max_batch: int,
                  kv_budget_tokens: int, graphs: DecodeGraphs | None = None, prefill_budget_tokens: int = 8192):
@@ -79,6 +94,7 @@ class Scheduler:
         self.steps_decode = 0
         self.decode_batch_sum = 0  # sequences decoded over all decode steps (mean batch = sum / steps)
         self.peak_batch = 0
+        self.kv_rows = KVRows()  # swapped whole by the stepping thread: readers need no lock
 
     @property
     def waiting(self) -> int:
@@ -87,6 +103,11 @@ class Scheduler:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    def reset_kv_peaks(self) -> None:
+        """Start the peaks again from what is held now (a benchmark's next load level)."""
+        rows = self.kv_rows
+        self.kv_rows = dataclasses.replace(rows, peak_reserved=rows.reserved, peak_used=rows.used)
 
     def submit(self, seq: Sequence) -> None:
         with self._cond:
@@ -147,6 +168,7 @@ class Scheduler:
                     self._prefill(self._starting.popleft())
                 if self._running:
                     self._decode()
+                self._note_kv()  # what is held after the step (finished sequences let go of theirs)
         for seq in pending:
             seq.release()
             seq.fail(SchedulerClosed("the engine was closed before this request finished"))
@@ -190,10 +212,18 @@ class Scheduler:
             seq.release()
             seq.fail(exc)
             return
+        self._note_kv(seq)
         if more:
             self._running.append(seq)
         else:
             self._finish(seq)
+
+    def _note_kv(self, also: Sequence | None = None) -> None:
+        """Count the KV rows the running sequences (and `also`, just prefilled) hold now."""
+        held = [s.kv for s in (self._running if also is None else [*self._running, also]) if s.kv is not None]
+        reserved, used = sum(kv.capacity for kv in held), sum(kv.length for kv in held)
+        rows = self.kv_rows
+        self.kv_rows = KVRows(reserved, used, max(rows.peak_reserved, reserved), max(rows.peak_used, used))
 
     def _decode(self) -> None:
         batch = self._running
@@ -208,6 +238,7 @@ class Scheduler:
             if logits is None:
                 logits = self.decode(kvs, tokens)  # type: ignore[arg-type]
             choices = choose_tokens(logits, [s.sampling for s in batch], [s.generator for s in batch])
+            self._note_kv()
         except BaseException as exc:  # every sequence in the step is affected alike
             log.exception("batched decode step failed")
             for seq in batch:

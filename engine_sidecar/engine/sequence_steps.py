@@ -45,11 +45,11 @@ class SequenceSteps:
             seq.on_release = self.kv_pool.give
         # a file found damaged mid-read is planned again with whole-file reads
         replan = functools.partial(self.cache.plan, prompt, seq.policy, seq.tenant, lazy=False) if prompt is not None else None
-        planned, result = self.prefill.run(planned, seq.policy, capacity, seq.times, replan,
+        planned, result = self.prefill.run(planned, capacity, seq.times, replan,
                                            allocate=self.kv_pool.take if self.kv_pool is not None else None)
         seq.planned = planned
         assert result.logits is not None
-        stats = request_stats(planned, result, time.perf_counter() - seq.t0, seq.policy, seq.times,
+        stats = request_stats(planned, result, time.perf_counter() - seq.t0, seq.times,
                               self.runner.num_layers, self.convention)
         more = seq.begin_decoding(result.logits, result.kv, stats, self.decode, self.eos_ids)
         # the first token is out (its choice checked the logits are finite): what the prefill
@@ -58,7 +58,7 @@ class SequenceSteps:
         committed = time.perf_counter()
         self.cache.commit(planned, result, seq.tenant, check_logits=False)
         seq.times["commit_s"] = time.perf_counter() - committed
-        if self.verifier is not None and self.verifier.due(planned.plan, seq.policy):
+        if self.verifier is not None and self.verifier.due(planned.plan):
             verified = time.perf_counter()
             stats.verified_first_token = self.verifier.check(planned.plan, result.logits)
             seq.times["verify_s"] = time.perf_counter() - verified

@@ -68,7 +68,7 @@ class SplitPrefill:
                 # the plan's own spans up to `upto`, as any request prefills them (store reads, the
                 # retry on a damaged file, cost learning); kept only in `learn`
                 replan = functools.partial(self.cache.plan, prompt, pol, tenant, lazy=False)
-                planned, result = self.prefill.run(planned, pol, spans[-1].end, {}, replan, upto=upto)
+                planned, result = self.prefill.run(planned, spans[-1].end, {}, replan, upto=upto)
                 spans = [s for s in planned.plan.spans if s.start < upto]
         end = spans[-1].end if spans else 0
         return PrefixRun(planned, pol, tenant, planned.plan.token_ids, end, result)

@@ -4,12 +4,11 @@ computed, counted honestly (inline precompute included, queued background work a
 from __future__ import annotations
 
 from engine_sidecar.execution.fused_prefill import PrefillResult
-from engine_sidecar.execution.policies import Policy
 from engine_sidecar.reuse.planner import PlannedRequest
 from ragcache_integrations.types import GenerationStats
 
 
-def request_stats(planned: PlannedRequest, result: PrefillResult, ttft: float, policy: Policy,
+def request_stats(planned: PlannedRequest, result: PrefillResult, ttft: float,
                   times: dict[str, float], num_layers: int, convention: str) -> GenerationStats:
         plan = planned.plan
         total = plan.num_tokens
@@ -36,8 +35,8 @@ def request_stats(planned: PlannedRequest, result: PrefillResult, ttft: float, p
             token_layers_computed=work,
             token_layers_precomputed=planned.precompute_token_layers,
             token_layers_background=background,
-            policy=policy.name,
-            policy_decisions=policy.decisions(),
+            policy=plan.policy,
+            policy_decisions=result.decisions,
             stage_times=times,
             plan=plan.describe(),
             notes=plan.notes,

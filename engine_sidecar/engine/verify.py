@@ -17,7 +17,7 @@ import torch
 
 from engine_sidecar.execution.fused_prefill import fused_prefill
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
-from engine_sidecar.execution.policies import FullPolicy, Policy
+from engine_sidecar.execution.policies import FullPolicy
 from engine_sidecar.model.runner import ModelRunner
 
 
@@ -28,10 +28,10 @@ class FirstTokenVerifier:
         self._credit = 0.0
         self._lock = threading.Lock()
 
-    def due(self, plan: FusionPlan, policy: Policy) -> bool:
+    def due(self, plan: FusionPlan) -> bool:
         """Whether this request is one of the fraction checked: it reused KV (a full prefill has
         nothing to compare), and the credit reached one request."""
-        if self.fraction <= 0 or policy.name == "full" or all(s.mode == "fresh" for s in plan.spans):
+        if self.fraction <= 0 or plan.policy == "full" or all(s.mode == "fresh" for s in plan.spans):
             return False
         with self._lock:
             self._credit += self.fraction

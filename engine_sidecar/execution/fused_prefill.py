@@ -13,14 +13,14 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine_sidecar.execution.fused_temperature import is_tempered, temper_stale_rows
 from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.execution.plan import FusionPlan
-from engine_sidecar.execution.policies import KeptRows, LayerView, Policy
+from engine_sidecar.execution.policies import KeptRows, LayerView, Policy, PrefillView, Selection
 from engine_sidecar.execution.prefetch import LayerPrefetcher, PrefetchTimes
 from engine_sidecar.execution.question_probe import ReusedKV
 from engine_sidecar.model.runner import QKV, ModelRunner, RopeTables
@@ -43,6 +43,7 @@ class PrefillResult:
     prefetch: PrefetchTimes | None = None  # disk-tier KV read layer by layer during the prefill
     prefetched: list[ChunkKV] = field(default_factory=list)  # those entries, now fully in memory
     stage_s: dict[str, float] = field(default_factory=dict)  # where the time went (StageClock), CPU only
+    decisions: dict[str, Any] = field(default_factory=dict)  # what the policy's selection decided
 
 
 class StageClock:
@@ -110,11 +111,13 @@ def fused_prefill(
     clock.mark("prefill_setup_s")
     reused = run.rotate_cached()
     clock.mark("prefill_rotate_s")
-    token_layers = policy.prepare(runner, plan, reused)  # model work before layer 0 (the question probe)
+    # the request's selection (a question probe's model work included, before layer 0)
+    selection = run.selection = policy.select(PrefillView(runner, plan, reused))
+    token_layers = selection.token_layers
     clock.mark("prefill_probe_s")
-    active_mask = policy.initial_active(plan) | ~run.has_cache
+    active_mask = selection.initial | ~run.has_cache
     # tokens active from layer 0 that stay active never read their cached rows: skip them
-    skip = active_mask if policy.keeps_initial_active else None
+    skip = active_mask if selection.fixed else None
     prefetcher = LayerPrefetcher(plan, run.kv.keys_pre, run.kv.values, prefetch_depth, skip).start()
     # chosen on the host (the masks live there): reading device indices back would wait for the
     # cached keys' rotation queued above
@@ -126,7 +129,7 @@ def fused_prefill(
                             int(must_keep.sum()))
     clock.mark("prefill_setup_s")
     # from this layer on the rows no longer change: a graph may run the rest
-    graph_from = policy.final_refine_layer(runner.num_layers) + 1 if run.graphable(graphs) else runner.num_layers
+    graph_from = selection.refines_until(runner.num_layers) + 1 if run.graphable(graphs) else runner.num_layers
     replayed = None
     for layer in range(runner.num_layers):
         prefetcher.wait(layer)
@@ -145,6 +148,7 @@ def fused_prefill(
     result = run.finish(rows, need_logits, token_layers, prefetcher, replayed)
     clock.mark("prefill_logits_s")
     result.stage_s = clock.stages
+    result.decisions = selection.decided
     return result
 
 
@@ -168,6 +172,7 @@ class _FusedRun:
     key_scale: float | None  # 1/T for `tempT`'s tempered rows, None when nothing is scaled
     lazy: bool  # some cached KV still on disk: keys are rotated layer by layer as they arrive
     observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None
+    selection: Selection | None = None  # the policy's, made once the cached KV is in place
 
     @classmethod
     def start(cls, runner: ModelRunner, plan: FusionPlan, policy: Policy, capacity: int | None,
@@ -242,7 +247,8 @@ class _FusedRun:
                 self.rotate_layer(layer, rows.index)
             return 0
         qkv = runner.qkv(layer, rows.hidden)
-        keep = self.policy.refine(
+        refine = self.selection.refine if self.selection is not None else None
+        keep = None if refine is None else refine(
             LayerView(layer, rows.index, rows.must_keep, qkv.k, qkv.v, kv.keys_pre[layer, :n], kv.values[layer, :n],
                       runner.num_layers, qkv.q, self.rope_at(layer), rows.must_keep_count)
         )

@@ -21,7 +21,7 @@ from engine_sidecar.execution.cachecraft import VariantIndex
 from engine_sidecar.execution.costs import CostMeter
 from engine_sidecar.execution.fused_prefill import PrefillResult
 from engine_sidecar.execution.fused_temperature import is_tempered
-from engine_sidecar.execution.policies import Policy
+from engine_sidecar.execution.policies import Policy, RatioPolicy
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.request.keys import KeyFactory
 from engine_sidecar.request.prompt import PromptBuilder, Segment
@@ -79,9 +79,10 @@ class ReuseCache:
         context window is dropped and the turn planned afresh. `:auto` policies get their ratio
         from the costs measured so far."""
         disk_hits, redis_hits = self.store.hits_disk, self.store.hits_redis
-        if policy.records_variants:
+        use = policy.cache_use()
+        if use.variants is not None:
             self.writer.load_variants()
-        planner = Planner(self, lazy_reads=lazy and self.config.store.prefetch and not policy.needs_cached_kv)
+        planner = Planner(self, lazy_reads=lazy and self.config.store.prefetch and not use.reads_all_layers_first)
         prefix_tree, dedup = self.config.reuse.prefix_tree, self.config.conversations.dedup
         planned = planner.plan(prompt, policy, tenant, prefix_tree, dedup)
         if planned.conversation and planned.plan.num_tokens + answer_tokens > self.max_context:
@@ -90,12 +91,13 @@ class ReuseCache:
             planned.plan.notes.append("conversation evicted: history over the context window")
         self.observe_store_loads()
         self._note_temperature(planned, policy)
-        if policy.auto:
+        planned.policy = policy
+        if isinstance(policy, RatioPolicy) and policy.auto:
             # r0 for the slowest tier this request's cached KV came from (costs.py)
             tier = ("redis" if self.store.hits_redis > redis_hits else
                     "disk" if self.store.hits_disk > disk_hits else "ram")
-            policy.ratio = self.costs.ratio(tier)
-            planned.plan.notes.append(self._auto_note(policy.ratio, tier))
+            planned.policy = policy.at_ratio(self.costs.ratio(tier))
+            planned.plan.notes.append(self._auto_note(planned.policy.ratio, tier))
         return planned
 
     def commit(self, planned: PlannedRequest, result: PrefillResult, tenant: str, check_logits: bool = True) -> None:

@@ -24,7 +24,7 @@ from engine_sidecar.execution.cachecraft import (
     tokens_to_recompute,
 )
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
-from engine_sidecar.execution.policies import CacheCraftPolicy, Policy
+from engine_sidecar.execution.policies import CacheUse, Policy, VariantChoice
 from engine_sidecar.request.fingerprint import token_ids_digest
 from engine_sidecar.request.keys import KeyFactory
 from engine_sidecar.request.prompt import AssembledPrompt, PromptBuilder, Segment, segment_digest
@@ -75,6 +75,8 @@ class PlannedRequest:
     # misses computed in place: (span index, key, chain digest of the exact KV before it or None),
     # stored from the KV buffer after a successful prefill
     in_place: list[tuple[int, CacheKey, str | None]] = field(default_factory=list)
+    # the policy the prefill selects with: the request's, with an `:auto` ratio resolved
+    policy: Policy | None = None
     precompute_token_layers: int = 0  # work done before the prefill (inline precompute of misses)
     precompute_s: float = 0.0
 
@@ -116,7 +118,7 @@ class _ChunkRequest:
     """What every chunk of one request is planned against."""
 
     prefix: Segment
-    policy: Policy
+    use: CacheUse  # how the request's policy treats cached KV
     tenant: str
     chunk_segs: list[Segment]
     digests: list[str]  # token digest of each chunk
@@ -152,6 +154,7 @@ class Planner:
         state = self.state
         if prompt.messages is not None:
             return self._plan_verbatim(prompt, policy, tenant, use_prefix_tree)
+        use = policy.cache_use()
         conv = None
         if prompt.conversation_id:
             conv = state.conversations.get(tenant, prompt.conversation_id)
@@ -165,8 +168,8 @@ class Planner:
             out.dropped_chunk_ids = [s.chunk_id or "" for s in state.builder.build(prompt).segments
                                      if s.kind == "chunk" and segment_digest(s) in known]
             history = PlanSpan("history", 0, tuple(conv.history.token_ids.tolist()),
-                               "exact" if policy.uses_cache else "fresh",
-                               conv.history if policy.uses_cache else None)
+                               "exact" if use.lookup else "fresh",
+                               conv.history if use.lookup else None)
             out.plan.spans.append(history)
             out.plan.notes.append(f"conversation turn {conv.turns + 1}: {history.end} history tokens reused")
             prefix = state.builder.prefix_segment(prompt.system)
@@ -182,11 +185,12 @@ class Planner:
         out = PlannedRequest(FusionPlan([], policy.name))
         prefix = assembled.segments[0]
         span = PlanSpan("prefix", 0, prefix.token_ids, "fresh")
-        if policy.uses_cache and prefix.token_ids:
+        use = policy.cache_use()
+        if use.lookup and prefix.token_ids:
             span.cached = state.lookup(state.keys.for_tokens(prefix.token_ids, tenant, "exact"), self.lazy_reads)
             span.mode = "exact" if span.cached is not None else "fresh"
         out.plan.spans.append(span)
-        root = self.root_digest(prefix, tenant) if (use_prefix_tree and policy.uses_cache) else None
+        root = self.root_digest(prefix, tenant) if (use_prefix_tree and use.lookup) else None
         self._chunks_and_question(out, assembled.segments[1:], span.end, prefix, policy, tenant, prompt, root,
                                   chain_root=self.root_digest(prefix, tenant))
         return out
@@ -200,7 +204,7 @@ class Planner:
         assembled = state.builder.build(prompt)
         conv = state.conversations.get(tenant, prompt.conversation_id) if prompt.conversation_id else None
         tokens = assembled.token_ids
-        if conv is not None and policy.uses_cache:
+        if conv is not None and policy.cache_use().lookup:
             history = conv.history.token_ids.tolist()
             limit = min(len(history), len(tokens) - 1)  # the last prompt token is computed: logits
             same = 0
@@ -234,7 +238,7 @@ class Planner:
         out.chunk_ids = [s.chunk_id or "" for s in chunk_segs]
         digests = [segment_digest(s) for s in chunk_segs]
         out.chunk_digests = digests
-        request = _ChunkRequest(prefix, policy, tenant, chunk_segs, digests)
+        request = _ChunkRequest(prefix, policy.cache_use(), tenant, chunk_segs, digests)
         walk = self._tree_walk(segments, tree_root, tenant)
         chunk_index = 0
         # digest of every token before `pos` while all of their KV is exact (reused at the
@@ -268,9 +272,9 @@ class Planner:
         a chunk (Cache-Craft variant, fusion, or a miss)."""
         if self._exact_on_path(out, span, i, walk):
             return
-        policy, tenant = request.policy, request.tenant
+        use, tenant = request.use, request.tenant
         # one read of the chunk's in-context entry serves the exact check and fusion below
-        peeked = self._in_place_entry(seg, tenant, policy)
+        peeked = self._in_place_entry(seg, tenant, use)
         if chain_before is not None and peeked is not None and peeked.meta.get("chain") == chain_before:
             span.cached, span.mode = peeked, "exact"
             out.hits += 1
@@ -280,12 +284,12 @@ class Planner:
         if self._promote(out, span, seg, i, chain_before, walk, request):
             return
         walk.extending = False
-        if policy.records_variants:
-            self._craft(out, span, request.digests[i], tuple(request.digests[:i]), tenant, policy)
-        elif policy.uses_cache and policy.fuses:
+        if use.variants is not None:
+            self._craft(out, span, request.digests[i], tuple(request.digests[:i]), tenant, use.variants)
+        elif use.lookup and use.fuses:
             self._fuse_or_miss(out, span, seg, request.prefix, tenant, chain_before, peeked)
         else:
-            out.misses += int(policy.uses_cache)
+            out.misses += int(use.lookup)
 
     def _exact_on_path(self, out: PlannedRequest, span: PlanSpan, i: int, walk: _TreeWalk) -> bool:
         """Whether chunk `i` is on the matched tree path with its node's KV still stored."""
@@ -304,12 +308,11 @@ class Planner:
         """Whether chunk `i` is computed with full attention right after exact KV and proposed as a
         tree node."""
         state = self.state
-        policy, tenant = request.policy, request.tenant
+        use, tenant = request.use, request.tenant
         # A chunk computed with full attention anyway (exact-reuse policies, or a fusion
         # miss) becomes a node for free; a chunk fusion could reuse costs a full compute
         # of the chunk instead, so it waits for a higher access count.
-        fusable = policy.fuses and (policy.records_variants
-                                    or self._fusable(seg, request.prefix, tenant))
+        fusable = use.fuses and (use.variants is not None or self._fusable(seg, request.prefix, tenant))
         reuse = state.config.reuse
         threshold = reuse.fusion_promote_threshold if fusable else reuse.promote_threshold
         if not (walk.extending and walk.root is not None and threshold is not None
@@ -319,7 +322,7 @@ class Planner:
         # (proposed here, inserted by the engine after the prefill stored its KV)
         node = state.cptree.propose(walk.parent, walk.root, walk.edges[i], seg.chunk_id, tenant)
         out.new_nodes.append((len(out.plan.spans), node))
-        if policy.fuses and not fusable and not policy.records_variants:
+        if use.fuses and not fusable and use.variants is None:
             # the same KV serves fusion when the chunk comes back elsewhere
             out.in_place.append((len(out.plan.spans), state.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT),
                                  chain_before))
@@ -329,9 +332,9 @@ class Planner:
             walk.extending = False  # fusion policies extend the path by one reusable chunk per request
         return True
 
-    def _in_place_entry(self, seg: Segment, tenant: str, policy: Policy) -> ChunkKV | None:
+    def _in_place_entry(self, seg: Segment, tenant: str, use: CacheUse) -> ChunkKV | None:
         """The chunk's KV computed in place by an earlier request (fusion policies only)."""
-        if not (policy.uses_cache and policy.fuses) or policy.records_variants:
+        if not (use.lookup and use.fuses) or use.variants is not None:
             return None
         return self.state.lookup(self.state.keys.for_tokens(seg.token_ids, tenant, IN_CONTEXT), self.lazy_reads)
 
@@ -346,14 +349,14 @@ class Planner:
         return self.state.cptree.should_promote(counts, threshold)
 
     def _craft(self, out: PlannedRequest, span: PlanSpan, digest: str, prior: tuple[str, ...], tenant: str,
-               policy: CacheCraftPolicy) -> None:
+               choose: VariantChoice) -> None:
         """Cache-Craft: reuse the chunk's lowest-CFO variant, or compute the chunk in this
         request's context and record it as a new variant."""
         state = self.state
-        while (choice := state.variants.choose(tenant, digest, prior, policy.alpha)) is not None:
-            if choice.cfo >= policy.fresh_above:
+        while (choice := state.variants.choose(tenant, digest, prior, choose.alpha)) is not None:
+            if choice.cfo >= choose.fresh_above:
                 out.plan.notes.append(f"cachecraft {span.chunk_id or digest[:8]}: best CFO {choice.cfo:.2f} "
-                                      f">= {policy.fresh_above}: computed here, kept as a new variant")
+                                      f">= {choose.fresh_above}: computed here, kept as a new variant")
                 break
             cached = state.lookup(choice.variant.key, self.lazy_reads)
             if cached is not None:

@@ -16,7 +16,7 @@ import torch
 from engine_sidecar.calibrate.reference import capture_last_hidden, full_pass, prefill_hidden
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.plan import FusionPlan, PlanSpan
-from engine_sidecar.execution.policies import parse_policy
+from engine_sidecar.execution.policies import PrefillView, parse_policy
 from engine_sidecar.store.entry import ChunkKV
 from ragcache_integrations.types import ChunkedPrompt
 from ragcache_lab.divergence import layer_divergence
@@ -62,12 +62,12 @@ def test_kv_deviation_ranks_by_hand_computed_error_normalized_per_layer():
     scores = kv_deviation(plan, full_k, full_v)
     assert scores[:2].isinf().all() and scores[-1].isinf()  # only fused tokens are candidates
     assert torch.allclose(scores[2:6], torch.tensor([0.0, 1.0, 0.09, 4.0]))
-    oracle = OraclePolicy(0.5, full_k, full_v)
-    active = oracle.initial_active(plan)
+    view = PrefillView(None, plan)  # type: ignore[arg-type]  # the oracle runs no model
+    selection = OraclePolicy(0.5, full_k, full_v).select(view)
     # the two fresh spans, then the top half of the chunk by deviation: tokens 3 and 1
-    assert active.nonzero().squeeze(1).tolist() == [0, 1, 3, 5, 6]
-    assert oracle.head_share == 1.0
-    assert OraclePolicy(0.0, full_k, full_v).initial_active(plan).nonzero().squeeze(1).tolist() == [0, 1, 6]
+    assert selection.initial.nonzero().squeeze(1).tolist() == [0, 1, 3, 5, 6]
+    assert selection.decided == {"head_share": 1.0} and selection.fixed
+    assert OraclePolicy(0.0, full_k, full_v).select(view).initial.nonzero().squeeze(1).tolist() == [0, 1, 6]
 
 
 def test_oracle_at_ratio_one_is_full_prefill_and_at_zero_is_reuse(tiny_engine):

@@ -4,12 +4,14 @@ them (so the check can fail)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from dataclasses import dataclass
 
 import pytest
 
 from engine_sidecar import Engine
-from engine_sidecar.execution.policies import LayerView, PrefixPolicy
+from engine_sidecar.execution.policies import LayerView, PrefillView, PrefixPolicy, Selection
 from ragcache_integrations import ChunkedPrompt
 
 PASSAGES = [
@@ -19,13 +21,17 @@ PASSAGES = [
 ]
 
 
+def _fail_at_layer_one(view: LayerView) -> None:
+    if view.layer == 1:
+        raise RuntimeError("prefill failed on purpose")
+
+
+@dataclass(frozen=True)
 class FailsMidPrefill(PrefixPolicy):
     """Exact-prefix reuse whose prefill raises at layer 1, after layer 0 wrote the KV buffer."""
 
-    def refine(self, view: LayerView):
-        if view.layer == 1:
-            raise RuntimeError("prefill failed on purpose")
-        return None
+    def select(self, view: PrefillView) -> Selection:
+        return dataclasses.replace(super().select(view), refine=_fail_at_layer_one)
 
 
 def _state(engine: Engine) -> tuple:
@@ -136,7 +142,7 @@ def test_a_poisoned_entry_stores_none_of_the_requests_entries(engine, monkeypatc
     prompt, _, policy = engine.prep.prepare(ChunkedPrompt(chunks=PASSAGES, question="Which river is longest?"),
                                             None, "cacheblend", "preserve", "")
     planned = engine.cache.plan(prompt, policy, "")
-    planned, result = engine.prefill_stage.run(planned, policy, planned.plan.num_tokens + 1, {}, None)
+    planned, result = engine.prefill_stage.run(planned, planned.plan.num_tokens + 1, {}, None)
     assert len(planned.in_place) == 3
     last = planned.plan.spans[planned.in_place[-1][0]]  # the last passage computed in place
     with torch.inference_mode():  # the buffer is an inference tensor, as the prefill made it

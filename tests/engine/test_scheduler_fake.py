@@ -36,10 +36,11 @@ def spell(ids: list[int]) -> str:
 
 
 class FakeKV:
-    """What the scheduler reads of a KV buffer: the rows it reserves (and whose it is)."""
+    """What the scheduler reads of a KV buffer: the rows it reserves, those written (the prompt's,
+    then one per decode step) and whose it is."""
 
-    def __init__(self, capacity: int, owner: str = ""):
-        self.capacity, self.owner = capacity, owner
+    def __init__(self, capacity: int, owner: str = "", length: int = 0):
+        self.capacity, self.owner, self.length = capacity, owner, length
 
 
 class FakeSteps:
@@ -69,8 +70,8 @@ class FakeSteps:
         if seq.tenant in self.fail_begin:
             raise ValueError(f"bad prompt {seq.tenant}")
         seq.on_release = self.on_release
-        return seq.begin_decoding(one_hot(self.first[seq.tenant]), FakeKV(seq.reserved_tokens, seq.tenant),  # type: ignore[arg-type]
-                                  GenerationStats(), spell, {EOS})
+        kv = FakeKV(seq.reserved_tokens, seq.tenant, seq.prompt_tokens)
+        return seq.begin_decoding(one_hot(self.first[seq.tenant]), kv, GenerationStats(), spell, {EOS})  # type: ignore[arg-type]
 
     def complete(self, seq: Sequence) -> None:
         self.completed.append(seq.tenant)
@@ -93,6 +94,8 @@ class CountingDecode:
         self.batches.append(list(tokens))
         if len(self.batches) == self.fail_at:
             raise RuntimeError("device lost")
+        for kv in kvs:
+            kv.length += 1  # the fed token's row
         return torch.stack([torch.full((VOCAB,), float("nan")) if t in self.poisoned else one_hot(t + 1)
                             for t in tokens])
 
@@ -174,6 +177,25 @@ def test_requests_are_admitted_in_arrival_order_and_decoded_together(make_schedu
     assert (scheduler.steps_prefill, scheduler.steps_decode, scheduler.peak_batch) == (4, 3, 4)
     scheduler.close()  # the last step clears the running set after posting the results
     assert scheduler.running == 0 and scheduler.waiting == 0 and scheduler.failure is None
+
+
+def test_kv_rows_count_what_the_running_sequences_hold_and_their_peaks(make_scheduler):
+    """Each sequence reserves 4 + 3 + 1 rows and writes its 4 prompt rows, then one per decode
+    step. The most held at once: a's 6 rows beside b's and c's 5 after the second decode step
+    (24 reserved); when all have finished nothing is held, and a reset starts the peaks there."""
+    steps = FakeSteps({"a": 10, "b": 20, "c": 30}, gated=frozenset({"a"}))
+    decode = CountingDecode()
+    scheduler = make_scheduler(steps, decode)
+    seqs = [sequence(n) for n in "abc"]
+    submit_while_first_prefills(scheduler, steps, seqs[0], seqs[1:])
+    assert [result(seq).token_ids for seq in seqs] == [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    assert decode.batches == [[10], [11, 20, 30], [21, 31]]
+    scheduler.close()  # the step that posted the last results has ended
+    rows = scheduler.kv_rows
+    assert (rows.peak_reserved, rows.peak_used) == (24, 16)
+    assert (rows.reserved, rows.used) == (0, 0)
+    scheduler.reset_kv_peaks()
+    assert (scheduler.kv_rows.peak_reserved, scheduler.kv_rows.peak_used) == (0, 0)
 
 
 def test_a_burst_of_arrivals_is_prefilled_within_the_budget_between_decode_steps(make_scheduler):

@@ -26,8 +26,8 @@ def test_the_pick_is_the_top_deviations_and_its_count_is_exact(host_count):
     new_v = torch.randn(12, 2, 4, generator=gen)
     all_v = torch.randn(12, 2, 4, generator=gen)
     policy = CacheBlendPolicy(0.3)
-    policy._fused_total = 9  # what initial_active counted: the nine cached rows
-    keep = policy.refine(_view(must_keep, new_v, all_v, host_count))
+    fused_total = 9  # what select counted: the nine cached rows
+    keep = policy.refine(fused_total, _view(must_keep, new_v, all_v, host_count))
     assert isinstance(keep, KeptRows)
     deviation = (new_v - all_v).pow(2).sum(dim=(1, 2))
     deviation[must_keep] = -1.0
@@ -41,8 +41,8 @@ def test_the_pick_is_the_top_deviations_and_its_count_is_exact(host_count):
 def test_a_budget_past_the_candidates_keeps_them_all():
     must_keep = torch.tensor([True, False, False, True])
     policy = CacheBlendPolicy(0.9)
-    policy._fused_total = 10  # more than the two rows left to choose from
-    keep = policy.refine(_view(must_keep, torch.ones(4, 1, 2), torch.zeros(4, 1, 2), host_count=True))
+    fused_total = 10  # more than the two rows left to choose from
+    keep = policy.refine(fused_total, _view(must_keep, torch.ones(4, 1, 2), torch.zeros(4, 1, 2), host_count=True))
     assert isinstance(keep, KeptRows) and keep.mask.all() and keep.count == 4
 
 
@@ -55,8 +55,8 @@ def test_min_tokens_raises_a_short_prompts_budget_to_the_top_deviations(fused, m
     new_v = torch.randn(fused + 3, 2, 4, generator=gen)
     all_v = torch.randn(fused + 3, 2, 4, generator=gen)
     policy = CacheBlendPolicy(0.3, min_tokens=min_tokens)
-    policy._fused_total = fused
-    keep = policy.refine(_view(must_keep, new_v, all_v, host_count=True))
+    fused_total = fused
+    keep = policy.refine(fused_total, _view(must_keep, new_v, all_v, host_count=True))
     assert isinstance(keep, KeptRows)
     deviation = (new_v - all_v).pow(2).sum(dim=(1, 2))
     deviation[must_keep] = -1.0
@@ -67,13 +67,13 @@ def test_min_tokens_raises_a_short_prompts_budget_to_the_top_deviations(fused, m
 
 def test_min_tokens_sets_the_floor_of_every_gradual_step():
     policy = CacheBlendPolicy(0.125, gradual=True, min_tokens=5)
-    policy._fused_total = 16  # 3r, 2r, r = 6, 4, 2 rows: the floor lifts the last two to 5
+    fused_total = 16  # 3r, 2r, r = 6, 4, 2 rows: the floor lifts the last two to 5
     must_keep = torch.zeros(16, dtype=torch.bool)
     counts = []
     for layer in (1, 2, 3):
         view = LayerView(layer, torch.arange(16), must_keep, torch.zeros(16, 1, 2), torch.rand(16, 1, 2),
                          torch.zeros(16, 1, 2), torch.zeros(16, 1, 2), 8, must_keep_count=0)
-        keep = policy.refine(view)
+        keep = policy.refine(fused_total, view)
         assert isinstance(keep, KeptRows)
         counts.append(keep.count)
     assert counts == [6, 5, 5]

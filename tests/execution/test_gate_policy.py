@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.execution.policies import GatePolicy, ProphetPolicy, parse_policy, span_masks
+from engine_sidecar.execution.policies import GatePolicy, PrefillView, ProphetPolicy, parse_policy, span_masks
 from engine_sidecar.execution.question_probe import first_token_margin, probe
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
 from tests.policy_prompt import PASSAGES, PROMPT, QUESTION
@@ -94,12 +94,13 @@ def test_threshold_above_one_always_escalates_to_prophets_selection(tiny_engine)
     _warm(tiny_engine)
     runner = tiny_engine.runner
     plan = _plan(tiny_engine, "reuse")
-    gate, prophet = GatePolicy(0.3, threshold=1.01), ProphetPolicy(0.3)
-    assert gate.prepare(runner, plan) == prophet.prepare(runner, plan) > 0
-    assert gate.escalated and 0.0 <= gate.margin <= 1.0
-    assert torch.equal(gate.initial_active(plan), prophet.initial_active(plan))
+    gate = GatePolicy(0.3, threshold=1.01).select(PrefillView(runner, plan))
+    prophet = ProphetPolicy(0.3).select(PrefillView(runner, plan))
+    assert gate.token_layers == prophet.token_layers > 0
+    assert gate.decided["escalated"] and 0.0 <= gate.decided["margin"] <= 1.0
+    assert torch.equal(gate.initial, prophet.initial)
     fused = span_masks(plan)[0]
-    assert int(gate.selected.sum()) == math.ceil(0.3 * int(fused.sum()) - 1e-9)
+    assert gate.decided["selected"] == math.ceil(0.3 * int(fused.sum()) - 1e-9)
 
     # through the engine: the same cost and the same logits as prophet:0.3
     escalated = GatePolicy(0.3, threshold=1.01)

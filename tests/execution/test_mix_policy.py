@@ -12,7 +12,7 @@ import torch
 
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.mix import percentile_ranks, rank_average, select_mixed
-from engine_sidecar.execution.policies import LayerView, MixPolicy, parse_policy, span_masks
+from engine_sidecar.execution.policies import LayerView, MixPolicy, PrefillView, parse_policy, span_masks
 from engine_sidecar.execution.question_probe import probe_scores
 from ragcache_integrations.policy_registry import PolicySpecError, parse_policy_spec
 from tests.policy_prompt import PASSAGES, PROMPT
@@ -95,11 +95,11 @@ def test_the_pick_is_select_mixed_of_probe_and_deviation(tiny_engine, mode):
     plan = tiny_engine.cache.plan(prompt, pol, "").plan
     runner = tiny_engine.runner
     fused, fresh = span_masks(plan)
-    policy = MixPolicy(0.2, mode)
-    work = policy.prepare(runner, plan)
+    selection = MixPolicy(0.2, mode).select(PrefillView(runner, plan))
     scores, expected_work = probe_scores(runner, plan)
-    assert work == expected_work > 0 and torch.allclose(policy.question_scores, scores)
-    active_mask = policy.initial_active(plan)
+    assert selection.token_layers == selection.decided["probe_token_layers"] == expected_work > 0
+    assert selection.refine is not None and selection.refines_until(runner.num_layers) == 1
+    active_mask = selection.initial
     active = active_mask.nonzero().squeeze(1)
     must_keep = fresh[active]
     gen = torch.Generator().manual_seed(0)
@@ -107,14 +107,14 @@ def test_the_pick_is_select_mixed_of_probe_and_deviation(tiny_engine, mode):
     all_v = torch.randn(plan.num_tokens, 2, 4, generator=gen)
     view = LayerView(1, active, must_keep, torch.zeros_like(new_v), new_v, torch.zeros_like(all_v), all_v,
                      runner.num_layers)
-    keep = policy.refine(view)
+    keep = selection.refine(view)
     assert keep is not None
     deviation = (new_v - all_v[active]).pow(2).sum(dim=(1, 2))
     budget = math.ceil(0.2 * int(fused.sum()))
     expected = must_keep | select_mixed(scores[active], deviation, ~must_keep, budget, mode)
     assert torch.equal(keep, expected) and int((keep & ~must_keep).sum()) == budget
     view.layer = 2
-    assert policy.refine(view) is None  # only the check layer chooses
+    assert selection.refine(view) is None  # only the check layer chooses
 
 
 def test_token_layers_include_the_probe(tiny_engine):

@@ -4,6 +4,7 @@ count, the ratio-1.0 guard (== full prefill, also teacher-forced), and the gramm
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -12,7 +13,13 @@ import torch
 
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.fused_prefill import fused_prefill
-from engine_sidecar.execution.policies import ProphetPolicy, ReusePolicy, parse_policy, span_masks
+from engine_sidecar.execution.policies import (
+    PrefillView,
+    ProphetPolicy,
+    ReusePolicy,
+    parse_policy,
+    span_masks,
+)
 from engine_sidecar.execution.question_probe import (
     attention_scores,
     probe_attention,
@@ -165,9 +172,9 @@ def test_probe_reads_the_questions_attention_in_a_reuse_pass(tiny_engine):
     assert work == int(uncached.sum()) * runner.num_layers
     assert scores[~fused].abs().max().item() == 0.0 and abs(scores.sum().item() - 1.0) < 1e-4
 
-    policy = ProphetPolicy(0.1, radius=0)
-    policy.prepare(runner, plan)
-    picked = policy.selected
+    selection = ProphetPolicy(0.1, radius=0).select(PrefillView(runner, plan))
+    picked = selection.initial & fused
+    assert selection.fixed and selection.decided["selected"] == int(picked.sum())
     budget = math.ceil(0.1 * int(fused.sum()) - 1e-9)
     assert int(picked.sum()) == budget and not bool((picked & ~fused).any())
     # the picks are exactly the most-attended fused tokens
@@ -202,19 +209,28 @@ def test_selection_picks_the_tokens_the_question_is_made_to_attend_to(tiny_engin
             aligned = 8.0 * q / q.norm(dim=-1, keepdim=True) * math.sqrt(q.shape[-1])
             middle.cached.keys[layer, i] = apply_rope(aligned[None], cos, sin)[0].to(middle.cached.keys.dtype)
     fused = span_masks(plan)[0]
-    policy = ProphetPolicy(3 / int(fused.sum()), radius=0)
-    policy.prepare(runner, plan)
-    assert set(policy.selected.nonzero().squeeze(1).tolist()) == targets
-    windowed = ProphetPolicy(9 / int(fused.sum()), radius=1)
-    windowed.prepare(runner, plan)
-    assert set(windowed.selected.nonzero().squeeze(1).tolist()) == {t + d for t in targets for d in (-1, 0, 1)}
+    picked = ProphetPolicy(3 / int(fused.sum()), radius=0).select(PrefillView(runner, plan)).initial & fused
+    assert set(picked.nonzero().squeeze(1).tolist()) == targets
+    windowed = ProphetPolicy(9 / int(fused.sum()), radius=1).select(PrefillView(runner, plan)).initial & fused
+    assert set(windowed.nonzero().squeeze(1).tolist()) == {t + d for t in targets for d in (-1, 0, 1)}
 
 
-def test_initial_active_without_prepare_is_an_error(tiny_engine):
+def test_a_spec_is_frozen_and_each_selection_is_the_requests_own(tiny_engine):
+    """Nothing a selection decides is written on the spec: it cannot be, and selections over two
+    plans with one spec are independent (the first is the same when made again after the second)."""
     tiny_engine.warm(PASSAGES)
+    runner = tiny_engine.runner
     plan = plan_of(tiny_engine, ChunkedPrompt(chunks=PASSAGES, question=QUESTION), "reuse")
-    with pytest.raises(AssertionError, match="prepare"):
-        ProphetPolicy(0.2).initial_active(plan)
+    shorter = plan_of(tiny_engine, ChunkedPrompt(chunks=PASSAGES[:2], question=QUESTION), "reuse")
+    spec = ProphetPolicy(0.2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.ratio = 0.5  # type: ignore[misc]
+    first = spec.select(PrefillView(runner, plan))
+    other = spec.select(PrefillView(runner, shorter))
+    again = spec.select(PrefillView(runner, plan))
+    assert first.initial.shape[0] == plan.num_tokens != other.initial.shape[0]
+    assert torch.equal(first.initial, again.initial) and first.decided == again.decided
+    assert spec == ProphetPolicy(0.2)
 
 
 @pytest.mark.parametrize("policy", ["prophet:0.25", "prophet:0.25:nowindow", "prophet"])
@@ -356,20 +372,19 @@ def test_the_probe_in_half_precision_scores_as_in_fp32(dtype):
 
 
 def test_a_policy_object_the_caller_passes_is_a_spec_it_keeps_unchanged(tiny_engine):
-    """Each request selects with its own copy of a Policy the caller passes: the caller's object
-    holds no request's selection afterwards, and two requests with it give what two requests with
+    """A Policy the caller passes is a frozen spec: the caller's object holds no request's
+    selection afterwards, and two requests with it give what two requests with
     the spec string give."""
     prompt = ChunkedPrompt(chunks=PASSAGES, question=QUESTION)
     tiny_engine.warm(PASSAGES)
     spec = parse_policy("prophet:0.3")
-    assert spec.selected.numel() == 0
     first = tiny_engine.generate(prompt, {"max_tokens": 3, "temperature": 0}, policy=spec)
     second = tiny_engine.generate(prompt, {"max_tokens": 3, "temperature": 0}, policy=spec)
-    assert spec.selected.numel() == 0
+    assert spec == parse_policy("prophet:0.3")
     by_name = tiny_engine.generate(prompt, {"max_tokens": 3, "temperature": 0}, policy="prophet:0.3")
     assert first.token_ids == second.token_ids == by_name.token_ids
     assert first.stats.tokens_recomputed == by_name.stats.tokens_recomputed > 0
-    # what the request's copy decided is in its stats instead
+    # what the request's selection decided is in its stats instead
     decided = first.stats.policy_decisions
     assert decided["selected"] == first.stats.tokens_recomputed and decided["probe_token_layers"] > 0
     assert decided["selected"] == by_name.stats.policy_decisions["selected"]

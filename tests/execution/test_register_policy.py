@@ -6,13 +6,20 @@ once removed, it is unknown again."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from engine_sidecar.errors import InvalidPromptError
-from engine_sidecar.execution.plan import FusionPlan
-from engine_sidecar.execution.policies import Policy, parse_policy, register_policy, span_masks
+from engine_sidecar.execution.policies import (
+    Policy,
+    PrefillView,
+    Selection,
+    parse_policy,
+    register_policy,
+    span_masks,
+)
 from ragcache_integrations import ChunkedPrompt
 from ragcache_integrations.policy_registry import PolicyEntry, PolicySpec, check_policy, forms_text
 
@@ -22,25 +29,23 @@ PASSAGES = [
 ]
 
 
+@dataclass(frozen=True)
 class TailPolicy(Policy):
     """The last k tokens of each fused chunk recomputed from layer 0."""
 
     name = "tail"
-    keeps_initial_active = True
-
-    def __init__(self, k: int):
-        self.k = k
+    k: int = 4
 
     @classmethod
-    def from_spec(cls, spec: PolicySpec) -> Policy:
+    def from_spec(cls, spec: PolicySpec) -> TailPolicy:
         return cls(int(spec.value or 0))
 
-    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
-        active = span_masks(plan)[1]
-        for span in plan.spans:
+    def select(self, view: PrefillView) -> Selection:
+        active = span_masks(view.plan)[1]
+        for span in view.plan.spans:
             if span.mode == "fuse":
                 active[max(span.start, span.end - self.k) : span.end] = True
-        return active
+        return Selection(active, fixed=True)
 
 
 @pytest.fixture
@@ -76,6 +81,10 @@ def test_registering_a_taken_name_or_a_mismatched_class_is_refused(tail_register
                                                                                         {"name": "epic"}))
     with pytest.raises(ValueError, match="differs"):
         register_policy(PolicyEntry("head", "mismatch", arg="k", default=4), TailPolicy)
+    # a subclass left undecorated could take per-request state in its own __init__
+    with pytest.raises(ValueError, match="frozen"):
+        register_policy(PolicyEntry("tail2", "undecorated", arg="k", default=4), type("Tail2", (TailPolicy,),
+                                                                                      {"name": "tail2"}))
 
 
 def test_the_engine_runs_a_registered_policy(tail_registered, tiny_engine):

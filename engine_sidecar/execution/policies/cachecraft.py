@@ -4,15 +4,25 @@ the question's focused chunks."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from engine_sidecar.execution.plan import FusionPlan
-from engine_sidecar.execution.policies.base import LayerView, Policy, span_masks
+from engine_sidecar.execution.policies.base import (
+    CacheUse,
+    LayerView,
+    Policy,
+    PrefillView,
+    Selection,
+    VariantChoice,
+    span_masks,
+)
 from ragcache_integrations.policy_registry import PolicySpec
 
 
+@dataclass(frozen=True)
 class CacheCraftPolicy(Policy):
     """Cache-Craft: each fused chunk's variant was chosen by the planner at the lowest CFO, and
     its top ceil(CFO |C|) tokens by inter-attention are recomputed from layer 0
@@ -22,54 +32,70 @@ class CacheCraftPolicy(Policy):
     reaches `fresh_above`, the chunk is computed in this request's context and becomes another
     variant."""
 
-    records_variants = True
-
     name = "cachecraft"
+    alpha: float = 1.0
+    window: int = 3
+    early_stop: bool = True
+    # a best variant this costly to fix is not worth it: compute the chunk in this context
+    # instead and keep the result as a new variant
+    fresh_above: float = 0.8
 
-    def __init__(self, alpha: float = 1.0, window: int = 3, early_stop: bool = True, fresh_above: float = 0.8):
-        if alpha < 0 or window < 1:
+    def __post_init__(self) -> None:
+        if self.alpha < 0 or self.window < 1:
             raise ValueError("alpha must be >= 0 and window >= 1")
-        self.alpha, self.window, self.early_stop = alpha, window, early_stop
-        # a best variant this costly to fix is not worth it: compute the chunk in this context
-        # instead and keep the result as a new variant
-        self.fresh_above = fresh_above
-        self.reset()
-
 
     @classmethod
-    def from_spec(cls, spec: PolicySpec) -> Policy:
+    def from_spec(cls, spec: PolicySpec) -> CacheCraftPolicy:
         return cls(float(spec.value or 0.0), early_stop=not spec.option)
-    def reset(self) -> None:
-        self.stopped_at: int | None = None  # the layer early termination stopped at, if it did
-        self._question = torch.zeros(0, dtype=torch.bool)
-        self._chunks: list[tuple[int, int]] = []
-        self._history: list[frozenset[int]] = []
 
-    def decisions(self) -> dict[str, Any]:
-        # the chunks (by their order among the fused ones) the question focused on, layer by layer
-        # until the stop
-        return {"stopped_at": self.stopped_at, "focused_by_layer": [sorted(seen) for seen in self._history]}
+    def cache_use(self) -> CacheUse:
+        return CacheUse(variants=VariantChoice(self.alpha, self.fresh_above))
 
-    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
-        active = span_masks(plan)[1]
-        self._question = torch.zeros(plan.num_tokens, dtype=torch.bool)
-        self._chunks, self._history, self.stopped_at = [], [], None
+    def final_refine_layer(self, num_layers: int) -> int:
+        return num_layers - 1 if self.early_stop else -1  # may stop early on any layer
+
+    def select(self, view: PrefillView) -> Selection:
+        active = span_masks(view.plan)[1]
+        for span in view.plan.spans:
+            if span.mode == "fuse" and span.recompute is not None and len(span.recompute):
+                active[span.start + span.recompute] = True
+        termination = _EarlyTermination.of(view.plan, self.window)
+        useful = self.early_stop and len(termination.chunks) >= 2
+        return Selection(active, refine=termination.refine if useful else None, decided=termination.decided)
+
+
+@dataclass
+class _EarlyTermination:
+    """One request's Algorithm 1: the focused chunks per layer until `window` layers agree."""
+
+    question: torch.Tensor  # [T] bool
+    chunks: list[tuple[int, int]]  # the fused chunks' (start, end)
+    window: int
+    history: list[frozenset[int]] = field(default_factory=list)  # focused chunks, layer by layer
+    # the chunks (by their order among the fused ones) the question focused on, layer by layer
+    # until the stop, and the layer it stopped at: the request's stats
+    decided: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, plan: FusionPlan, window: int) -> _EarlyTermination:
+        question = torch.zeros(plan.num_tokens, dtype=torch.bool)
+        chunks = []
         for span in plan.spans:
             if span.kind == "question":
-                self._question[span.start : span.end] = True
+                question[span.start : span.end] = True
             if span.mode == "fuse":
-                self._chunks.append((span.start, span.end))
-                if span.recompute is not None and len(span.recompute):
-                    active[span.start + span.recompute] = True
-        return active
+                chunks.append((span.start, span.end))
+        run = cls(question, chunks, window)
+        run.decided.update(stopped_at=None, focused_by_layer=[])
+        return run
 
     def refine(self, view: LayerView) -> torch.Tensor | None:
         from engine_sidecar.execution.cachecraft import focused_chunks, termination_layer
 
-        if not self.early_stop or self.stopped_at is not None or len(self._chunks) < 2:
+        if self.decided["stopped_at"] is not None:
             return None
         assert view.new_queries is not None and view.rope is not None and view.all_keys_pre is not None
-        readers = self._question[view.active.cpu()].to(view.active.device)
+        readers = self.question[view.active.cpu()].to(view.active.device)
         if not bool(readers.any()):
             return None
         n = view.all_keys_pre.shape[0]
@@ -82,12 +108,13 @@ class CacheCraftPolicy(Policy):
         logits = torch.einsum("rhd,khd->hrk", q, k) / math.sqrt(q.shape[-1])
         visible = positions[None, :] <= view.active[readers][:, None]
         mass = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=(0, 1)).cpu()
-        self._history.append(focused_chunks([float(mass[s:e].sum()) for s, e in self._chunks]))
-        if not termination_layer(self._history, self.window):
+        self.history.append(focused_chunks([float(mass[s:e].sum()) for s, e in self.chunks]))
+        self.decided["focused_by_layer"].append(sorted(self.history[-1]))
+        if not termination_layer(self.history, self.window):
             return None
-        self.stopped_at = view.layer
+        self.decided["stopped_at"] = view.layer
         unfocused = torch.zeros(n, dtype=torch.bool)
-        for i, (s, e) in enumerate(self._chunks):
-            if i not in self._history[-1]:
+        for i, (s, e) in enumerate(self.chunks):
+            if i not in self.history[-1]:
                 unfocused[s:e] = True
         return view.must_keep | ~unfocused[view.active.cpu()].to(view.active.device)

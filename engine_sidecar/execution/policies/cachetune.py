@@ -3,36 +3,35 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from engine_sidecar.execution.plan import FusionPlan
-from engine_sidecar.execution.policies.base import Policy, span_masks
+from engine_sidecar.execution.policies.base import PrefillView, RatioPolicy, Selection, span_masks
 from engine_sidecar.store.frequency import DEFAULT_CUTOFF, frequency_scores
 from ragcache_integrations.policy_registry import PolicySpec
 
 
-class CacheTunePolicy(Policy):
+@dataclass(frozen=True)
+class CacheTunePolicy(RatioPolicy):
     """CacheTune: recompute, from layer 0, the top-r tokens of each fused chunk by frequency score
     (`frequency_scores` of its cached K/V, stored with the chunk on the disk tier); the rest keep
     their cached KV. The chosen tokens stay chosen on every layer, so a chunk read from disk needs
     only the other tokens' rows (sparse load)."""
 
     name = "cachetune"
-    keeps_initial_active = True
+    cutoff: float = DEFAULT_CUTOFF
 
-    def __init__(self, ratio: float = 0.15, cutoff: float = DEFAULT_CUTOFF):
-        if not 0.0 <= ratio <= 1.0 or not 0.0 < cutoff <= 1.0:
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0 or not 0.0 < self.cutoff <= 1.0:
             raise ValueError("ratio must be in [0, 1] and cutoff in (0, 1]")
-        self.ratio, self.cutoff = ratio, cutoff
 
     @classmethod
-    def from_spec(cls, spec: PolicySpec) -> Policy:
-        tune = cls(float(spec.value or 0.0))
-        tune.auto = spec.auto
-        return tune
+    def from_spec(cls, spec: PolicySpec) -> CacheTunePolicy:
+        return cls(float(spec.value or 0.0), auto=spec.auto)
 
-    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
+    def select(self, view: PrefillView) -> Selection:
+        plan = view.plan
         active = span_masks(plan)[1]
         for span in plan.spans:
             if span.mode != "fuse" or span.cached is None:
@@ -49,4 +48,4 @@ class CacheTunePolicy(Policy):
                 scores = frequency_scores(entry.keys, entry.values, self.cutoff)
             top = torch.topk(scores, min(budget, len(span))).indices
             active[span.start + top.cpu()] = True
-        return active
+        return Selection(active, fixed=True, decided=self.decided())

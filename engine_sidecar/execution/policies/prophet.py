@@ -4,69 +4,61 @@ first-token confidence decides whether to spend the budget)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
 
 import torch
 
 from engine_sidecar.errors import InvalidPromptError
 from engine_sidecar.execution.plan import FusionPlan
-from engine_sidecar.execution.policies.base import Policy, span_masks
+from engine_sidecar.execution.policies.base import CacheUse, PrefillView, RatioPolicy, Selection, span_masks
 from ragcache_integrations.policy_registry import PolicySpec
 
-if TYPE_CHECKING:
-    from engine_sidecar.execution.question_probe import ReusedKV
-    from engine_sidecar.model.runner import ModelRunner
 
-
-class ProphetPolicy(Policy):
+@dataclass(frozen=True)
+class ProphetPolicy(RatioPolicy):
     """Question-driven multi-layer selection (ProphetKV, A3; CacheClip windows): a probe runs the
     question (and any fresh chunk) through every layer over the reused KV and scores each fused
     token by the question's attention, normalized per head and averaged over layers
-    (`prophet.probe_scores`); the top-r fused tokens, each with `radius` neighbours on both sides,
-    are recomputed from layer 0 on every layer. The budget ceil(r x fused tokens) includes the
-    windows; `layers` stops the probe after the first L layers (scores averaged over those). At
-    r = 1 every fused token is recomputed (full prefill) and no probe runs."""
+    (`question_probe.probe_scores`); the top-r fused tokens, each with `radius` neighbours on both
+    sides, are recomputed from layer 0 on every layer. The budget ceil(r x fused tokens) includes
+    the windows; `layers` stops the probe after the first L layers (scores averaged over those).
+    At r = 1 every fused token is recomputed (full prefill) and no probe runs."""
 
     name = "prophet"
-    needs_cached_kv = True  # the probe reads every cached layer before layer 0
-    keeps_initial_active = True
+    radius: int = 1
+    layers: int | None = None
 
-    def __init__(self, ratio: float = 0.15, radius: int = 1, layers: int | None = None):
-        if not 0.0 <= ratio <= 1.0 or radius < 0:
-            raise InvalidPromptError(f"{self.name} ratio must be in [0, 1] and radius >= 0, got {ratio}, {radius}")
-        if layers is not None and layers < 1:
-            raise InvalidPromptError(f"{self.name} probe layers must be >= 1, got {layers}")
-        self.ratio, self.radius, self.layers = ratio, radius, layers
-        self.reset()
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0 or self.radius < 0:
+            raise InvalidPromptError(f"{self.name} ratio must be in [0, 1] and radius >= 0, got {self.ratio}, "
+                                     f"{self.radius}")
+        if self.layers is not None and self.layers < 1:
+            raise InvalidPromptError(f"{self.name} probe layers must be >= 1, got {self.layers}")
 
     @classmethod
-    def from_spec(cls, spec: PolicySpec) -> Policy:
+    def from_spec(cls, spec: PolicySpec) -> ProphetPolicy:
         return cls(float(spec.value or 0.0), radius=0 if spec.option else 1, layers=spec.probe_layers)
 
-    def reset(self) -> None:
-        self.selected = torch.zeros(0, dtype=torch.bool)  # fused tokens picked for this request's plan
-        self.probe_token_layers = 0
-        self._prepared_for: FusionPlan | None = None
+    def cache_use(self) -> CacheUse:
+        return CacheUse(reads_all_layers_first=True)  # the probe reads every cached layer before layer 0
 
-    def decisions(self) -> dict[str, Any]:
-        return {**super().decisions(), "probe_token_layers": self.probe_token_layers, "selected": int(self.selected.sum())}
-
-    def prepare(self, runner: ModelRunner, plan: FusionPlan, reused: ReusedKV | None = None) -> int:
+    def select(self, view: PrefillView) -> Selection:
         from engine_sidecar.execution.question_probe import probe_scores
 
-        fused, budget = self._budget(plan)
+        plan = view.plan
+        fused, fresh = span_masks(plan)
+        budget = self._budget(fused)
+        work = 0
         if budget >= int(fused.sum()) or budget <= 0:  # all or nothing: no scores needed
-            self.selected = fused if budget > 0 else torch.zeros_like(fused)
-            return 0
-        scores, self.probe_token_layers = probe_scores(runner, plan, self.layers, reused)
-        self.selected = self._top(scores, fused, budget, plan)
-        return self.probe_token_layers
+            picked = fused if budget > 0 else torch.zeros_like(fused)
+        else:
+            scores, work = probe_scores(view.runner, plan, self.layers, view.reused)
+            picked = self._top(scores, fused, budget, plan)
+        return self._selection(fresh, picked, work, {})
 
-    def _budget(self, plan: FusionPlan) -> tuple[torch.Tensor, int]:
-        """(fused mask, fused tokens to recompute), and this plan marked as prepared."""
-        fused = span_masks(plan)[0]
-        self._prepared_for, self.probe_token_layers = plan, 0
-        return fused, min(math.ceil(self.ratio * int(fused.sum()) - 1e-9), int(fused.sum()))
+    def _budget(self, fused: torch.Tensor) -> int:
+        """Fused tokens to recompute."""
+        return min(math.ceil(self.ratio * int(fused.sum()) - 1e-9), int(fused.sum()))
 
     def _top(self, scores: torch.Tensor, fused: torch.Tensor, budget: int, plan: FusionPlan) -> torch.Tensor:
         from engine_sidecar.execution.question_probe import select_with_windows
@@ -74,12 +66,13 @@ class ProphetPolicy(Policy):
         segments = [(s.start, s.end) for s in plan.spans if s.mode == "fuse"]
         return select_with_windows(scores, fused, budget, self.radius, segments)
 
-    def initial_active(self, plan: FusionPlan) -> torch.Tensor:
-        if self._prepared_for is not plan:
-            raise AssertionError("prophet: prepare(runner, plan) must run before initial_active (fused_prefill does)")
-        return span_masks(plan)[1] | self.selected
+    def _selection(self, fresh: torch.Tensor, picked: torch.Tensor, work: int, decided: dict) -> Selection:
+        return Selection(fresh | picked, fixed=True, token_layers=work,
+                         decided={**self.decided(), "probe_token_layers": work, "selected": int(picked.sum()),
+                                  **decided})
 
 
+@dataclass(frozen=True)
 class GatePolicy(ProphetPolicy):
     """Confidence-gated budget: the prophet probe runs the question over the reused
     KV through every layer and, for the last prompt token, on to the next-token distribution,
@@ -90,49 +83,38 @@ class GatePolicy(ProphetPolicy):
     where the margin is small. At ratio 1 every fused token is recomputed and no probe runs."""
 
     name = "gate"
+    ratio: float = 0.3
     # p(top 1) - p(top 2) at or above which reuse's first token is trusted
-    threshold = 0.5
+    threshold: float = 0.5
 
-    def __init__(self, ratio: float = 0.3, radius: int = 1, threshold: float | None = None):
-        super().__init__(ratio, radius)
-        if threshold is not None:
-            if not math.isfinite(threshold):
-                raise InvalidPromptError(f"gate threshold must be a finite number, got {threshold}")
-            self.threshold = threshold
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not math.isfinite(self.threshold):
+            raise InvalidPromptError(f"gate threshold must be a finite number, got {self.threshold}")
 
     @classmethod
-    def from_spec(cls, spec: PolicySpec) -> Policy:
+    def from_spec(cls, spec: PolicySpec) -> GatePolicy:
         return cls(float(spec.value or 0.0))
 
-    def reset(self) -> None:
-        super().reset()
-        self.escalated = False  # this request's budget was spent (margin below the threshold)
-        self.margin = math.nan  # its first-token margin under reuse (nan: no probe ran)
-
-    def decisions(self) -> dict[str, Any]:
-        return {**super().decisions(), "escalated": self.escalated,
-                "margin": None if math.isnan(self.margin) else self.margin}
-
-    def prepare(self, runner: ModelRunner, plan: FusionPlan, reused: ReusedKV | None = None) -> int:
+    def select(self, view: PrefillView) -> Selection:
         from engine_sidecar.execution.question_probe import first_token_margin, probe
 
-        fused, budget = self._budget(plan)
-        self.margin = math.nan
+        plan = view.plan
+        fused, fresh = span_masks(plan)
+        budget = self._budget(fused)
         if budget >= int(fused.sum()) or budget <= 0:  # all or nothing: no decision to make
-            self.escalated = budget > 0
-            self.selected = fused if budget > 0 else torch.zeros_like(fused)
-            return 0
-        result = probe(runner, plan, logits=True, reused=reused)
-        self.probe_token_layers = result.token_layers
-        if result.logits is not None:
-            self.margin = first_token_margin(result.logits)
+            picked = fused if budget > 0 else torch.zeros_like(fused)
+            return self._selection(fresh, picked, 0, {"escalated": budget > 0, "margin": None})
+        result = probe(view.runner, plan, logits=True, reused=view.reused)
+        margin = first_token_margin(result.logits) if result.logits is not None else math.nan
         # no prediction (nan) is no confidence: spend the budget
-        self.escalated = not self.margin >= self.threshold
-        if self.escalated:
-            self.selected = self._top(result.scores, fused, budget, plan)
-            plan.notes.append(f"gate: first-token margin {self.margin:.3f} < {self.threshold:g}: "
+        escalated = not margin >= self.threshold
+        if escalated:
+            picked = self._top(result.scores, fused, budget, plan)
+            plan.notes.append(f"gate: first-token margin {margin:.3f} < {self.threshold:g}: "
                               f"top {self.ratio:g} of the fused tokens recomputed")
         else:
-            self.selected = torch.zeros_like(fused)
-            plan.notes.append(f"gate: first-token margin {self.margin:.3f} >= {self.threshold:g}: reused as is")
-        return self.probe_token_layers
+            picked = torch.zeros_like(fused)
+            plan.notes.append(f"gate: first-token margin {margin:.3f} >= {self.threshold:g}: reused as is")
+        return self._selection(fresh, picked, result.token_layers,
+                               {"escalated": escalated, "margin": None if math.isnan(margin) else margin})

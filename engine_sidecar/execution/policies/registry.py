@@ -36,10 +36,9 @@ def parse_policy(spec: str, temperatures: Mapping[str, float] | None = None) -> 
         raise InvalidPromptError(str(exc)) from None
     policy = _policy_of(parsed)
     if parsed.temperature is not None:
-        policy.temperature = parsed.temperature
-    elif temperatures and parsed.name in temperatures:
-        policy.temperature = temperatures[parsed.name]
-        policy.temper_neighbour_kv = False
+        return policy.tempered(parsed.temperature)
+    if temperatures and parsed.name in temperatures:
+        return policy.tempered(temperatures[parsed.name], neighbour_kv=False)
     return policy
 
 
@@ -57,13 +56,16 @@ POLICY_CLASSES: dict[str, type[Policy]] = {cls.name: cls for cls in (
 
 
 def register_policy(entry: PolicyEntry, cls: type[Policy]) -> Callable[[], None]:
-    """Add a policy: its grammar entry (name, argument, tags, summary) and the class that runs it
-    (`cls.from_spec` builds it from a checked spec). From then on this process's engine, server
-    and CLI accept it like a built-in one. Returns the function that removes it again."""
+    """Add a policy: its grammar entry (name, argument, tags, summary) and the class that runs it, a
+    frozen dataclass (`cls.from_spec` builds it from a checked spec). From then on this process's
+    engine, server and CLI accept it like a built-in one. Returns the function that removes it."""
     if cls.name != entry.name:
         raise ValueError(f"the class's name '{cls.name}' differs from the entry's '{entry.name}'")
     if entry.name in POLICY_CLASSES:
         raise ValueError(f"policy '{entry.name}' is already registered")
+    if "__dataclass_fields__" not in vars(cls) or not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        raise ValueError(f"policy class {cls.__name__} must be a @dataclass(frozen=True): a spec that one "
+                         "request could change would leak into the next")
     remove_entry = add_policy_entry(entry)
     POLICY_CLASSES[entry.name] = cls
 
