@@ -143,15 +143,15 @@ class BatchingConfig:
     kv_bytes: int = setting(4 << 30, Flag("--batch-kv-gb", "KV of the running requests together, prompt + "
                                           "max_tokens each; a request that does not fit waits (one always runs)",
                                           parse="non_negative", unit=GIB), flat="batch_kv_bytes")
-    prefill_tokens: int = setting(8192, Flag(
+    prefill_token_budget: int = setting(8192, Flag(
         "--prefill-token-budget", "prompt tokens one scheduler step prefills before the running requests' next "
         "decode step (at least one request, whatever its length): lower keeps streams' inter-token latency under a "
-        "burst of arrivals, higher lets new requests start sooner", parse="positive"), flat="prefill_token_budget")
-    graphs: GraphMode = setting("auto", Flag(
+        "burst of arrivals, higher lets new requests start sooner", parse="positive"))
+    decode_graphs: GraphMode = setting("auto", Flag(
         "--decode-graphs", "auto (default) or on: on a GPU with the Triton kernels, each decode step replays a CUDA "
         "graph captured once per batch size (1, 2, 4, ... up to --max-batch; captured on first use), instead of "
         "launching hundreds of kernels one by one; off: launched one by one. auto decodes op by op where graphs "
-        "cannot run (a CPU), on says so in the log"), flat="decode_graphs")
+        "cannot run (a CPU), on says so in the log"))
     prefill_graphs: GraphMode = setting("auto", Flag(
         "--prefill-graphs", "auto (default) or on: on a GPU with the Triton kernels, a fused prefill's layers after "
         "the policy's last choice of rows (every layer under reuse, epic and prophet; those after the check under "

@@ -127,6 +127,12 @@ def add_fidelity_command(sub: Subcommands) -> None:
                      help="measure policies other than full teacher-forced only (no free-running answer: no ROUGE-L, "
                           "EM or F1 for them; first-token agreement from the forced pass's first position, TTFT from "
                           "its prefill): one prefill per policy and question instead of two")
+    fid.add_argument("--craft-context", choices=("rotated", "foreign"), default="rotated",
+                     help="where Cache-Craft's chunk variants are recorded before each question: `rotated`, a "
+                          "request with the question's own passages, last first (default); `foreign`, a request "
+                          "with the next record's question and its passages interleaved with these (each variant "
+                          "then follows passages the measured prompt does not hold, as on a stream of other "
+                          "questions)")
     fid.add_argument("--max-minutes", type=float, default=None,
                      help="stop starting new questions after this many minutes and report those measured (the JSON's "
                           "config says how many of --n ran); rows are also appended to <json>.partial.jsonl as they "

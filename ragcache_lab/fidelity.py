@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import shutil
 import statistics
@@ -55,8 +56,22 @@ def rotated(chunks: list[str]) -> list[str]:
     return chunks[-1:] + chunks[:-1] if len(chunks) > 1 else chunks
 
 
+def craft_prompt(record: dict[str, Any], k: int, foreign: dict[str, Any] | None = None) -> ChunkedPrompt:
+    """The request that records a question's Cache-Craft variants before it is asked: its passages
+    in another order (last first), or, with a `foreign` record, that record's question over its
+    passages interleaved with these (foreign first), so each variant follows passages the measured
+    prompt does not hold."""
+    own = chunk_texts(record, k)
+    if foreign is None:
+        return ChunkedPrompt(chunks=rotated(own), question=record["question"])
+    others = chunk_texts(foreign, k)
+    mixed = [text for pair in itertools.zip_longest(others, own) for text in pair if text is not None]
+    return ChunkedPrompt(chunks=mixed, question=foreign["question"])
+
+
 def prepare_chunks(engine: Any, record: dict[str, Any], k: int, policies: list[str],
-                   chunk_kv: str = "precomputed", neighbours: tuple[int, Any] = (0, None)) -> None:
+                   chunk_kv: str = "precomputed", neighbours: tuple[int, Any] = (0, None),
+                   craft_foreign: dict[str, Any] | None = None) -> None:
     # warmed per question (not all up front) so a RAM tier smaller than the whole set cannot
     # turn a policy's lookups into misses
     if chunk_kv == "neighbours":
@@ -69,10 +84,9 @@ def prepare_chunks(engine: Any, record: dict[str, Any], k: int, policies: list[s
     else:
         engine.warm(chunk_texts(record, k))
     if any(p.startswith("cachecraft") for p in policies):
-        # Cache-Craft keeps KV computed inside requests: a request with these chunks in another
-        # order records the variants the measured question then reuses
-        engine.generate(ChunkedPrompt(chunks=rotated(chunk_texts(record, k)), question=record["question"]),
-                        {"max_tokens": 1}, policy="cachecraft")
+        # Cache-Craft keeps KV computed inside requests: a request holding these chunks records the
+        # variants the measured question then reuses
+        engine.generate(craft_prompt(record, k, craft_foreign), {"max_tokens": 1}, policy="cachecraft")
 
 
 @dataclass(frozen=True)
@@ -227,8 +241,11 @@ def _measure_question(args: argparse.Namespace, plan: RunPlan, measuring: _Measu
     turn 2 after this one), then the diagnostics measured along full prefill's answer."""
     engine = measuring.engine
     for rec in (record, follow) if follow is not None else (record,):
+        foreign = None
+        if getattr(args, "craft_context", "rotated") == "foreign" and len(plan.records) > 1:
+            foreign = plan.records[(i + 1) % len(plan.records)]
         prepare_chunks(engine, rec, args.k, plan.policies, getattr(args, "chunk_kv", "precomputed"),
-                       measuring.neighbours)
+                       measuring.neighbours, foreign)
     prompt = ChunkedPrompt(chunks=chunk_texts(record, args.k), question=record["question"])
     measured = follow or record
     row: dict[str, Any] = {"index": plan.start + i, "question": measured["question"],
@@ -313,6 +330,7 @@ def _run_config(args: argparse.Namespace, plan: RunPlan, rows: list[dict[str, An
               "follow_up": bool(args.follow_up),
               "model": str(args.model), "dtype": args.dtype, "device": args.device, "policies": plan.policies,
               "convention": args.convention, "chunk_kv": getattr(args, "chunk_kv", "precomputed"),
+              "craft_context": getattr(args, "craft_context", "rotated"),
               "neighbours": args.neighbours if getattr(args, "chunk_kv", "") == "neighbours" else None,
               "noise_floor": noise_name, "generated": not plan.no_generate, "n_requested": args.n,
               "start": plan.start, "max_minutes": getattr(args, "max_minutes", None),

@@ -137,7 +137,7 @@ class Engine:
                                    config.batching.max_batch,
                                    max(1, config.batching.kv_bytes // kv_row_bytes),
                                    decode_graphs(runner, config.batching, self.max_context),
-                                   prefill_budget_tokens=config.batching.prefill_tokens)
+                                   prefill_budget_tokens=config.batching.prefill_token_budget)
         self._close_at_exit = _closer(weakref.ref(self))
         atexit.register(self._close_at_exit)
         weakref.finalize(self, atexit.unregister, self._close_at_exit)  # collected unclosed: nothing to do at exit

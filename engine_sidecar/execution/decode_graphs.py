@@ -54,11 +54,11 @@ class BucketGraph:
 
 def decode_graphs(runner: ModelRunner, batching: BatchingConfig, max_context: int) -> DecodeGraphs | None:
     """The engine's graph decoder when its settings ask for one and this runner can use it."""
-    if batching.graphs == "off":
+    if batching.decode_graphs == "off":
         return None
     why_not = DecodeGraphs.unavailable(runner)
     if why_not is not None:
-        if batching.graphs == "on":  # asked for by name: say why it does nothing
+        if batching.decode_graphs == "on":  # asked for by name: say why it does nothing
             log.warning("--decode-graphs on has no effect here: %s", why_not)
         return None
     return DecodeGraphs(runner, batching.max_batch, max_context)

@@ -21,6 +21,7 @@ from ragcache_integrations.types import Chunk, ChunkedPrompt, GenerationResult, 
 
 if TYPE_CHECKING:
     from engine_sidecar.engine.engine import Engine
+    from engine_sidecar.engine.scheduler import KVRows
     from engine_sidecar.store.chunk_store import StoreStats
 
 Event = Any  # a generation yields str deltas then a GenerationResult; warm yields counts
@@ -53,6 +54,8 @@ class ServingBackend(Protocol):
     def store_facts(self) -> StoreFacts | None: ...
 
     def store_stats(self) -> StoreStats | None: ...
+
+    def kv_rows(self) -> KVRows | None: ...  # None where another process holds the request KV
 
     def facts(self) -> EngineFacts: ...
 
@@ -102,6 +105,9 @@ class RagcacheBackend:
 
     def store_stats(self) -> StoreStats | None:
         return self.engine.stats().store if self.engine is not None else None
+
+    def kv_rows(self) -> KVRows | None:
+        return self.engine.stats().kv_rows if self.engine is not None else None
 
     def facts(self) -> EngineFacts:
         health = self.engine.health()

@@ -88,6 +88,9 @@ class ServerMetrics:
         for outcome in ("agree", "differ"):
             self.verify.labels(outcome)
         self.queue_depth = Gauge("ragcache_queue_depth", "Requests queued or running on the engine", registry=r)
+        self.kv_rows = Gauge("ragcache_kv_rows", "KV rows (tokens, every layer) the running requests hold: reserved "
+                             "(prompt + max_tokens + 1 each, what admission counts) and used (written so far)",
+                             ["kind"], registry=r)
         self._hits = self._lookups = 0
 
     def first_token(self, seconds: float) -> None:
@@ -140,6 +143,10 @@ class ServerMetrics:
                     self.redis_events.labels(event).inc(max(0, count - self._redis_seen.get(event, 0)))
                     self._redis_seen[event] = count
         self.queue_depth.set(self.worker.depth)
+        rows = self.backend.kv_rows() if self.backend is not None else None
+        if rows is not None:
+            self.kv_rows.labels("reserved").set(rows.reserved)
+            self.kv_rows.labels("used").set(rows.used)
         return generate_latest(_WithoutCreated(self.registry))
 
 

@@ -55,6 +55,9 @@ class VllmBackend:
     def store_stats(self) -> None:
         return None
 
+    def kv_rows(self) -> None:
+        return None  # vLLM's scheduler holds the request KV
+
     def facts(self) -> EngineFacts:
         self._check_alive()
         model = self.process.model_dir

@@ -319,3 +319,24 @@ def test_a_model_axis_checks_every_model_before_the_first_run(tiny_llama_dir, tm
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0 and len(lines) == 1 and "does not exist" in lines[0], proc.stderr
     assert not list(tmp_path.glob("m*.json"))  # nothing ran
+
+
+def test_cache_craft_variants_are_recorded_in_the_context_asked_for():
+    from ragcache_lab.fidelity import craft_prompt
+
+    record = {"question": "own?", "ctxs": [{"title": f"T{i}", "text": f"own {i}"} for i in range(3)]}
+    foreign = {"question": "other?", "ctxs": [{"title": f"F{i}", "text": f"other {i}"} for i in range(2)]}
+    rotated = craft_prompt(record, 3)
+    assert rotated.question == "own?"
+    assert [c.text for c in rotated.chunks] == ["T2\nown 2", "T0\nown 0", "T1\nown 1"]
+    mixed = craft_prompt(record, 3, foreign)
+    assert mixed.question == "other?"
+    assert [c.text for c in mixed.chunks] == ["F0\nother 0", "T0\nown 0", "F1\nother 1", "T1\nown 1",
+                                               "T2\nown 2"]
+
+
+def test_foreign_craft_context_runs_and_is_recorded(tiny_llama_dir, tmp_path):
+    report = run_bench(tiny_llama_dir, tmp_path / "craft.json", "--n", "2", "--policies", "full,cachecraft:1",
+                       "--craft-context", "foreign", "--no-generate")
+    assert report["config"]["craft_context"] == "foreign" and len(report["rows"]) == 2
+    assert all("cachecraft:1" in row["policies"] for row in report["rows"])

@@ -3,6 +3,8 @@ plain values that agree with what the engine holds."""
 
 from __future__ import annotations
 
+import time
+
 from ragcache_integrations.types import ChunkedPrompt, SamplingParams
 
 PASSAGES = ["The Nile flows north through Egypt into the Mediterranean Sea.",
@@ -28,6 +30,26 @@ def test_stats_count_what_a_request_stored(tiny_engine):
     assert after.conversations == 1
     ram, lower = tiny_engine.held_chunk_ids()
     assert len(ram) == len(PASSAGES) and not lower
+
+
+def test_kv_rows_peak_at_the_prompt_and_answer_a_request_held(tiny_engine):
+    """A request of n prompt tokens and m answer tokens reserves n + m + 1 rows and writes n + m - 1
+    (its last token is never fed back); once it ends nothing is held, and a reset starts the
+    peaks from there."""
+    assert tiny_engine.stats().kv_rows.peak_reserved == 0
+    result = tiny_engine.generate(ChunkedPrompt(chunks=PASSAGES, question="Which river flows north?"),
+                                  SamplingParams(max_tokens=5, ignore_eos=True))
+    n, m = result.stats.prefill_tokens_total, len(result.token_ids)
+    assert m == 5
+    # the result is posted inside the scheduler's last step; the count is taken at the step's end
+    waited = time.monotonic()
+    while tiny_engine.stats().kv_rows.reserved and time.monotonic() - waited < 60:
+        time.sleep(0.01)
+    rows = tiny_engine.stats().kv_rows
+    assert (rows.peak_reserved, rows.peak_used) == (n + m + 1, n + m - 1)
+    assert (rows.reserved, rows.used) == (0, 0)
+    tiny_engine.reset_kv_peaks()
+    assert tiny_engine.stats().kv_rows.peak_used == 0
 
 
 def test_tokens_round_trip_and_the_prompt_holds_the_passages(tiny_engine):

@@ -153,7 +153,7 @@ def test_by_default_a_cpu_engine_decodes_op_by_op_without_a_warning(tiny64, tmp_
     from engine_sidecar import Engine
     from engine_sidecar.engine_config import EngineConfig
 
-    assert EngineConfig().batching.graphs == "auto"
+    assert EngineConfig().batching.decode_graphs == "auto"
     with caplog.at_level(logging.WARNING, logger="ragcache.decode_graphs"):
         with Engine.from_pretrained(tiny64, device="cpu", dtype="float32", disk=False, cache_dir=tmp_path) as engine:
             assert engine.scheduler.graphs is None

@@ -204,12 +204,13 @@ def test_metrics_parse_and_count(client, server):
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.base + "/metrics").text)}
     assert {"ragcache_requests", "ragcache_engine_jobs", "ragcache_ttft_seconds", "ragcache_prompt_tokens",
             "ragcache_generated_tokens", "ragcache_chunk_lookups", "ragcache_chunk_hit_ratio", "ragcache_store_bytes",
-            "ragcache_store_entries", "ragcache_queue_depth"} <= set(families)
+            "ragcache_store_entries", "ragcache_queue_depth", "ragcache_kv_rows"} <= set(families)
     assert server.metric("ragcache_requests_total", route="/v1/generate", status="200") >= 1
     assert server.metric("ragcache_ttft_seconds_count") >= 1
     assert server.metric("ragcache_prompt_tokens_total", kind="computed") > 0
     assert 0.0 <= server.metric("ragcache_chunk_hit_ratio") <= 1.0
     assert server.metric("ragcache_queue_depth") == 0
+    assert server.metric("ragcache_kv_rows", kind="used") <= server.metric("ragcache_kv_rows", kind="reserved")
 
 
 def test_eight_concurrent_requests_equal_one_at_a_time(server):

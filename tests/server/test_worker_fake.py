@@ -198,6 +198,9 @@ class FakeBackend:
     def store_stats(self) -> None:
         return None
 
+    def kv_rows(self) -> None:
+        return None
+
     def facts(self) -> EngineFacts:
         if self.failure is not None:
             raise ApiError(503, f"the engine's scheduler stopped on a fault ({self.failure}); restart the server",
