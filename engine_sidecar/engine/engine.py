@@ -116,7 +116,7 @@ class Engine:
         self._lock = threading.RLock()
         keys = KeyFactory(self.model_fp, self.tokenizer_fp, config.reuse.convention)
         self.cache = ReuseCache(runner, builder, store, keys, config, self._lock)
-        self.prefill_stage = PrefillStage(runner, store, self.cache.costs,
+        self.prefill_stage = PrefillStage(runner, self.cache,
                                           prefill_graphs(runner, config.batching.prefill_graphs, self.max_context))
         self.prep = RequestPreparer(builder, self.cache.access_table, store, keys, self.max_context,
                                     fused_temperatures(config.reuse.fused_temperature, weights_fingerprint(model_dir)),

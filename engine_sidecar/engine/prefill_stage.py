@@ -7,32 +7,30 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine_sidecar.execution.costs import CostMeter
 from engine_sidecar.execution.fused_prefill import PrefillResult, fused_prefill
 from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.execution.plan import FusionPlan
 from engine_sidecar.execution.prefetch import preload_depth
 from engine_sidecar.execution.prefill_graphs import PrefillGraphs
 from engine_sidecar.model.runner import ModelRunner
+from engine_sidecar.reuse.cache import ReuseCache
 from engine_sidecar.reuse.planner import PlannedRequest
-from engine_sidecar.store.chunk_store import ChunkStore
 from engine_sidecar.store.disk import DamagedCacheFile
 
 
 class PrefillStage:
-    def __init__(self, runner: ModelRunner, store: ChunkStore, costs: CostMeter,
-                 graphs: PrefillGraphs | None = None):
+    def __init__(self, runner: ModelRunner, cache: ReuseCache, graphs: PrefillGraphs | None = None):
         """`graphs`, where given, replays each prefill's layers after its policy's last choice of
         rows from CUDA graphs."""
-        self.runner, self.store, self.costs, self.graphs = runner, store, costs, graphs
+        self.runner, self.cache, self.graphs = runner, cache, graphs
+        self.store, self.costs = cache.store, cache.costs
 
-    def run(self, planned: PlannedRequest, capacity: int, times: dict[str, float],
-            replan: Callable[[], PlannedRequest] | None, upto: int | None = None,
+    def run(self, planned: PlannedRequest, capacity: int, times: dict[str, float], upto: int | None = None,
             allocate: Callable[[int], KVBuffer] | None = None) -> tuple[PlannedRequest, PrefillResult]:
         """Run the plan with its policy (disk-tier KV prefetched layer by layer), learn costs,
-        promote what was read to RAM. A file found damaged mid-read was deleted: plan again reading whole files.
-        With `upto`, only the spans that start before it run, without logits (a prefill another
-        engine finishes)."""
+        promote what was read to RAM. A file found damaged mid-read was deleted: the request is
+        planned again from its prompt, reading whole files. With `upto`, only the spans that start
+        before it run, without logits (a prefill another engine finishes)."""
         for attempt in (0, 1):
             started = time.perf_counter()
             plan, observer = planned.plan, planned.observer()
@@ -44,10 +42,10 @@ class PrefillStage:
                                        observer=observer, prefetch_depth=self._preload_depth(planned),
                                        allocate=allocate, graphs=self.graphs)
             except DamagedCacheFile:
-                if attempt or replan is None:
+                if attempt or planned.prompt is None:
                     raise
                 # read whole files this time: each is verified before use, damaged ones are misses
-                planned = replan()
+                planned = self.cache.plan(planned.prompt, planned.policy, planned.tenant, lazy=False)
                 continue
             times["prefill_s"] = time.perf_counter() - started
             times.update(result.stage_s)

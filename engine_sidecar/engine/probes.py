@@ -4,7 +4,6 @@ Sequence, so the benchmarks can compare policies token for token without samplin
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable
@@ -95,8 +94,7 @@ class FidelityProbes:
         """A request's prefill outside the scheduler: plan, prefill with room for
         `extra_capacity` more tokens, check, commit."""
         planned = self.cache.plan(prompt, policy, tenant)
-        replan = functools.partial(self.cache.plan, prompt, policy, tenant, lazy=False)
-        planned, result = self.prefill.run(planned, planned.plan.num_tokens + extra_capacity, {}, replan,
+        planned, result = self.prefill.run(planned, planned.plan.num_tokens + extra_capacity, {},
                                            allocate=allocate)
         self.cache.commit(planned, result, tenant)
         return planned, result

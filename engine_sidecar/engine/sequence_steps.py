@@ -5,7 +5,6 @@ the engine lock held."""
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 
@@ -43,9 +42,7 @@ class SequenceSteps:
         capacity = planned.plan.num_tokens + seq.sampling.max_tokens + 1
         if self.kv_pool is not None:
             seq.on_release = self.kv_pool.give
-        # a file found damaged mid-read is planned again with whole-file reads
-        replan = functools.partial(self.cache.plan, prompt, seq.policy, seq.tenant, lazy=False) if prompt is not None else None
-        planned, result = self.prefill.run(planned, capacity, seq.times, replan,
+        planned, result = self.prefill.run(planned, capacity, seq.times,
                                            allocate=self.kv_pool.take if self.kv_pool is not None else None)
         seq.planned = planned
         assert result.logits is not None

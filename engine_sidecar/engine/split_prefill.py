@@ -11,7 +11,6 @@ context, CP-Tree nodes, the template prefix."""
 
 from __future__ import annotations
 
-import functools
 import threading
 from dataclasses import dataclass
 
@@ -67,8 +66,7 @@ class SplitPrefill:
             if spans:
                 # the plan's own spans up to `upto`, as any request prefills them (store reads, the
                 # retry on a damaged file, cost learning); kept only in `learn`
-                replan = functools.partial(self.cache.plan, prompt, pol, tenant, lazy=False)
-                planned, result = self.prefill.run(planned, spans[-1].end, {}, replan, upto=upto)
+                planned, result = self.prefill.run(planned, spans[-1].end, {}, upto=upto)
                 spans = [s for s in planned.plan.spans if s.start < upto]
         end = spans[-1].end if spans else 0
         return PrefixRun(planned, pol, tenant, planned.plan.token_ids, end, result)

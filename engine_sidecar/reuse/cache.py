@@ -91,7 +91,7 @@ class ReuseCache:
             planned.plan.notes.append("conversation evicted: history over the context window")
         self.observe_store_loads()
         self._note_temperature(planned, policy)
-        planned.policy = policy
+        planned.policy, planned.prompt, planned.tenant = policy, prompt, tenant
         if isinstance(policy, RatioPolicy) and policy.auto:
             # r0 for the slowest tier this request's cached KV came from (costs.py)
             tier = ("redis" if self.store.hits_redis > redis_hits else

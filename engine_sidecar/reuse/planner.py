@@ -77,6 +77,10 @@ class PlannedRequest:
     in_place: list[tuple[int, CacheKey, str | None]] = field(default_factory=list)
     # the policy the prefill selects with: the request's, with an `:auto` ratio resolved
     policy: Policy | None = None
+    # what it was planned from (ReuseCache.plan sets them): a file found damaged mid-read is
+    # planned again from them with whole-file reads
+    prompt: ChunkedPrompt | None = None
+    tenant: str = ""
     precompute_token_layers: int = 0  # work done before the prefill (inline precompute of misses)
     precompute_s: float = 0.0
 

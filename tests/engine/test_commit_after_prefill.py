@@ -142,7 +142,7 @@ def test_a_poisoned_entry_stores_none_of_the_requests_entries(engine, monkeypatc
     prompt, _, policy = engine.prep.prepare(ChunkedPrompt(chunks=PASSAGES, question="Which river is longest?"),
                                             None, "cacheblend", "preserve", "")
     planned = engine.cache.plan(prompt, policy, "")
-    planned, result = engine.prefill_stage.run(planned, planned.plan.num_tokens + 1, {}, None)
+    planned, result = engine.prefill_stage.run(planned, planned.plan.num_tokens + 1, {})
     assert len(planned.in_place) == 3
     last = planned.plan.spans[planned.in_place[-1][0]]  # the last passage computed in place
     with torch.inference_mode():  # the buffer is an inference tensor, as the prefill made it
