@@ -54,13 +54,18 @@ def add_temperature_command(sub: argparse._SubParsersAction[argparse.ArgumentPar
                                "calibration split",
                           description="For each calibration question, full prefill's own greedy answer is the "
                                       "teacher; the policy runs with each candidate :tempT along it, and the T with "
-                                      "the lowest mean KL(full || policy) is printed with the --policy to use. No "
-                                      "gold answers are read. Keep the split apart from evaluation questions "
+                                      "the lowest mean KL(full || policy) is printed with the --policy to use, then "
+                                      "checked against T = 1 on the --holdout questions after the split. No "
+                                      "gold answers are read. Keep both apart from evaluation questions "
                                       "(--start).")
     temp.add_argument("--data", required=True, help="calibration set: a musique_s.json-format file, or 'fanoutqa'")
     temp.add_argument("--start", type=int, default=0, help="first record to use (default 0): keep the calibration "
                       "questions apart from those you evaluate on")
     temp.add_argument("--n", type=int, default=20, help="calibration questions (default 20)")
+    temp.add_argument("--holdout", type=int, default=10,
+                      help="questions right after the calibration split on which the fitted T is checked against "
+                           "T = 1 (default 10; 0 skips the check): --save keeps the fit only when it holds there "
+                           "(lower mean KL, agreement not lower), else T = 1")
     temp.add_argument("--k", type=int, default=4, help="chunks per question (default 4)")
     temp.add_argument("--policy", default="cacheblend:0.15", type=policy_arg,
                       help="the policy to fit T for, without a temp tag (default cacheblend:0.15)")
@@ -71,7 +76,8 @@ def add_temperature_command(sub: argparse._SubParsersAction[argparse.ArgumentPar
     temp.add_argument("--json", type=Path, default=None, help="also write the fit here")
     temp.add_argument("--save", action="store_true",
                       help="keep the fitted T for this model and policy family "
-                           "($RAGCACHE_HOME/calibration/): engines on this model then apply it to that policy "
-                           "whenever a request names no :tempT (--fused-temperature auto, the default)")
+                           "($RAGCACHE_HOME/calibration/), or T = 1 where the held-out check fails: engines on "
+                           "this model then apply it to that policy whenever a request names no :tempT "
+                           "(--fused-temperature auto, the default)")
     add_engine_arguments(temp)
     temp.set_defaults(func=cmd_calibrate_temperature)

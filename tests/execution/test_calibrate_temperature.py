@@ -10,7 +10,15 @@ import pytest
 
 from engine_sidecar.calibrate.metrics import agreement_and_kl
 from engine_sidecar.calibrate.reference import full_reference
-from engine_sidecar.calibrate.temperature import fit_temperature, parse_temperatures, with_temperature
+from engine_sidecar.calibrate.temperature import (
+    HoldoutCheck,
+    TemperatureFit,
+    check_holdout,
+    fit_temperature,
+    kept_temperature,
+    parse_temperatures,
+    with_temperature,
+)
 from engine_sidecar.cli.main import main
 from engine_sidecar.errors import InvalidPromptError
 from ragcache_integrations import ChunkedPrompt
@@ -72,8 +80,39 @@ def test_the_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     fit = json.loads(out.read_text())
     assert fit["questions"] == 2 and fit["start"] == 1 and fit["temperatures"] == [0.9, 1.0, 1.2]
     assert parse_policy_spec(fit["best_spec"]).temperature == fit["best"]
-    assert "use --policy cacheblend:0.2:temp" in capsys.readouterr().out
+    # the one record after the split checks the fit (--holdout 10 asks for more than there are)
+    held = fit["holdout"]
+    assert held["questions"] == 1 and held["start"] == 3 and held["temperature"] == fit["best"]
+    assert fit["kept"] == (fit["best"] if held["holds"] else 1.0)
+    out_text = capsys.readouterr().out
+    assert "use --policy cacheblend:0.2:temp" in out_text and "held out (1 questions from index 3)" in out_text
     for bad, message in ((["--policy", "full"], "reuses no chunk KV"), (["--start", "9"], "no records"),
-                         (["--temperatures", "0"], "numbers in [0.05, 20]")):
+                         (["--temperatures", "0"], "numbers in [0.05, 20]"),
+                         (["--start", "2", "--n", "2"], "no records after the calibration split"),
+                         (["--holdout", "-1"], "--holdout at least 0")):
         assert main(args + bad) != 0  # argparse: the last of a repeated flag wins
         assert message in capsys.readouterr().err
+
+
+def test_the_held_out_check_runs_the_fitted_t_and_t1_on_other_questions(tiny_engine):
+    fit = fit_temperature(tiny_engine, PROMPTS[:1], "reuse", [0.8, 1.0, 1.5], max_tokens=6, progress=False)
+    check = check_holdout(tiny_engine, PROMPTS[1:], fit, max_tokens=6, progress=False)
+    by_hand = fit_temperature(tiny_engine, PROMPTS[1:], "reuse", sorted({1.0, fit.best}), max_tokens=6,
+                              progress=False)
+    assert check.questions == 1 and check.temperature == fit.best
+    assert check.kl == pytest.approx(by_hand.kl[f"{fit.best:g}"], rel=1e-4, abs=1e-6)
+    assert check.kl_untempered == pytest.approx(by_hand.kl["1"], rel=1e-4, abs=1e-6)
+    assert check.wins == int(check.kl < check.kl_untempered)
+
+
+def _check(t: float, kl: float, kl1: float, agreement: float, agreement1: float) -> HoldoutCheck:
+    return HoldoutCheck(t, 10, kl, kl1, agreement, agreement1, wins=0)
+
+
+def test_save_keeps_the_fit_only_where_it_holds_on_held_out_questions():
+    fit = TemperatureFit("cacheblend:0.15", [1.0, 1.1], best=1.1)
+    assert kept_temperature(fit, None) == 1.1  # no check asked for
+    assert kept_temperature(fit, _check(1.1, 0.10, 0.12, 0.93, 0.92)) == 1.1
+    assert kept_temperature(fit, _check(1.1, 0.13, 0.12, 0.93, 0.92)) == 1.0  # KL higher held out
+    assert kept_temperature(fit, _check(1.1, 0.10, 0.12, 0.90, 0.92)) == 1.0  # agreement lower held out
+    assert _check(1.0, 0.2, 0.2, 0.9, 0.9).holds  # T = 1 fitted: nothing to carry

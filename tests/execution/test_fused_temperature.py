@@ -148,7 +148,7 @@ def test_off_and_a_number_override_the_fit(tiny_llama_dir, home):
 def test_calibrate_save_then_the_engine_uses_it(tiny_llama_dir, tmp_path, home):
     data = tmp_path / "qa.json"
     data.write_text(json.dumps([{"question": q, "answers": ["x"], "ctxs": [{"title": "", "text": c} for c in ch]}
-                                for q, ch in [(QUESTION, PASSAGES), ("Where is Kilimanjaro?", PASSAGES[::-1])]]))
+                                for q, ch in [(QUESTION, PASSAGES), ("Where is Kilimanjaro?", PASSAGES[::-1])] * 2]))
     env_cmd = [sys.executable, "-m", "engine_sidecar.cli", "calibrate-temperature", "--data", str(data), "--n", "2",
                "--k", "3", "--policy", "reuse", "--temperatures", "0.7,1.4", "--max-tokens", "4",
                "--model", str(tiny_llama_dir), "--no-disk", "--dtype", "float32", "--save"]
@@ -158,7 +158,12 @@ def test_calibrate_save_then_the_engine_uses_it(tiny_llama_dir, tmp_path, home):
     fits = fitted_temperatures(weights_fingerprint(tiny_llama_dir))
     assert set(fits) == {"reuse"} and fits["reuse"] in (0.7, 1.0, 1.4)
     saved = json.loads(saved_fits_path(weights_fingerprint(tiny_llama_dir)).read_text())
-    assert set(saved["temperatures"]["reuse"]["kl"]) == {"0.7", "1", "1.4"}
+    entry = saved["temperatures"]["reuse"]
+    assert set(entry["kl"]) == {"0.7", "1", "1.4"}
+    # the two records after the split checked the fit: what was kept is the fit where it held, else 1
+    held = entry["held_out"]
+    assert held["questions"] == 2 and held["start"] == 2
+    assert fits["reuse"] == (held["temperature"] if held["holds"] else 1.0)
     with Engine.from_pretrained(tiny_llama_dir, dtype="float32", disk=False) as engine:
         assert engine.prep.temperatures == fits
 
