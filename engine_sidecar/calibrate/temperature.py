@@ -182,11 +182,15 @@ def run_calibrate_temperature(args: argparse.Namespace) -> int:
     console = Console()
     with engine_from_args(args) as engine:
         fit = fit_temperature(engine, prompts_of(split), args.policy, temperatures, args.max_tokens)
-        check = check_holdout(engine, prompts_of(held_out), fit, args.max_tokens) if held_out else None
+        # T = 1 fitted: the untempered policy, nothing that could fail to carry
+        check = check_holdout(engine, prompts_of(held_out), fit, args.max_tokens) \
+            if held_out and fit.best != 1.0 else None
         weights_fp = weights_fingerprint(engine.model_dir)
     _print_fit(console, fit, args)
     if check is not None:
         _print_check(console, check, args.start + args.n)
+    elif held_out:
+        console.print("T = 1 fitted: the untempered policy, no held-out check needed")
     keep = kept_temperature(fit, check)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

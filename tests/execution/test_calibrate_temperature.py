@@ -80,12 +80,22 @@ def test_the_command_end_to_end(tiny_llama_dir, tmp_path, capsys):
     fit = json.loads(out.read_text())
     assert fit["questions"] == 2 and fit["start"] == 1 and fit["temperatures"] == [0.9, 1.0, 1.2]
     assert parse_policy_spec(fit["best_spec"]).temperature == fit["best"]
-    # the one record after the split checks the fit (--holdout 10 asks for more than there are)
+    # the one record after the split checks the fit (--holdout 10 asks for more than there are),
+    # unless T = 1 won: then there is nothing that could fail to carry
     held = fit["holdout"]
-    assert held["questions"] == 1 and held["start"] == 3 and held["temperature"] == fit["best"]
-    assert fit["kept"] == (fit["best"] if held["holds"] else 1.0)
     out_text = capsys.readouterr().out
-    assert "use --policy cacheblend:0.2:temp" in out_text and "held out (1 questions from index 3)" in out_text
+    assert "use --policy cacheblend:0.2:temp" in out_text
+    if fit["best"] == 1.0:
+        assert held is None and fit["kept"] == 1.0 and "no held-out check needed" in out_text
+    else:
+        assert held["questions"] == 1 and held["start"] == 3 and held["temperature"] == fit["best"]
+        assert fit["kept"] == (fit["best"] if held["holds"] else 1.0)
+        assert "held out (1 questions from index 3)" in out_text
+    # only T = 1 to try: no held-out check runs
+    assert main(args + ["--temperatures", "1"]) == 0
+    only_one = json.loads(out.read_text())
+    assert only_one["best"] == 1.0 and only_one["holdout"] is None and only_one["kept"] == 1.0
+    assert "no held-out check needed" in capsys.readouterr().out
     for bad, message in ((["--policy", "full"], "reuses no chunk KV"), (["--start", "9"], "no records"),
                          (["--temperatures", "0"], "numbers in [0.05, 20]"),
                          (["--start", "2", "--n", "2"], "no records after the calibration split"),
