@@ -107,6 +107,10 @@ class HoldoutCheck:
             return True
         return self.kl < self.kl_untempered and self.agreement >= self.agreement_untempered
 
+    def record(self, start: int) -> dict[str, Any]:
+        """What the JSON and the saved fit keep of the check (`start`: its first record)."""
+        return {**asdict(self), "holds": self.holds, "start": start}
+
 
 def kept_temperature(fit: TemperatureFit, check: HoldoutCheck | None) -> float:
     """What `--save` keeps: the fitted T unless the held-out check says it does not carry."""
@@ -196,8 +200,7 @@ def run_calibrate_temperature(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {**asdict(fit), "best_spec": fit.best_spec, "data": str(args.data), "start": args.start,
                    "k": args.k, "max_tokens": args.max_tokens,
-                   "holdout": None if check is None else {**asdict(check), "holds": check.holds,
-                                                          "start": args.start + args.n},
+                   "holdout": None if check is None else check.record(args.start + args.n),
                    "kept": keep}
         args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
         console.print(f"wrote {args.json}")
@@ -235,7 +238,7 @@ def _save(console: Console, weights_fp: str, args: argparse.Namespace, fit: Temp
                   f"{fit.best:g}",
         "kl": fit.kl, "agreement": fit.agreement}
     if check is not None:
-        provenance["held_out"] = {**asdict(check), "holds": check.holds, "start": args.start + args.n}
+        provenance["held_out"] = check.record(args.start + args.n)
     path = save_fit(weights_fp, name, keep, provenance)
     console.print(f"saved T = {keep:g} for {name} on this model in {path}: requests with a {name} policy "
                   f"and no :{TEMP_TAG}T now get it", markup=False)
