@@ -143,6 +143,12 @@ class BatchingConfig:
     kv_bytes: int = setting(4 << 30, Flag("--batch-kv-gb", "KV of the running requests together, prompt + "
                                           "max_tokens each; a request that does not fit waits (one always runs)",
                                           parse="non_negative", unit=GIB), flat="batch_kv_bytes")
+    kv_block_size: int = setting(0, Flag(
+        "--kv-block-size", "0 (default): each running request holds a buffer of its own, prompt + max_tokens rows "
+        "of keys before and after RoPE and values; N: the running requests' KV lives in one pool of N-row blocks "
+        "sized by --batch-kv-gb, rotated keys and values only (2/3 of the bytes per row), a request's blocks taken "
+        "as it grows and given back when it ends; a request is admitted while the free blocks hold its prompt + "
+        "max_tokens. Decode steps are then not captured as CUDA graphs", parse="whole"))
     prefill_token_budget: int = setting(8192, Flag(
         "--prefill-token-budget", "prompt tokens one scheduler step prefills before the running requests' next "
         "decode step (at least one request, whatever its length): lower keeps streams' inter-token latency under a "

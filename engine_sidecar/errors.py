@@ -37,6 +37,10 @@ class InvalidPromptError(RagCacheError):
     pass
 
 
+class InvalidSettingError(RagCacheError):
+    """Engine settings that cannot work together (caught when the engine is built)."""
+
+
 NON_FINITE_MESSAGE = ("the model produced non-finite numbers (NaN or infinity) for this request, so it was stopped "
                       "and none of its KV was kept; retry with policy 'full', or without a ':temp' on the policy")
 

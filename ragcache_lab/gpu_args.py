@@ -51,6 +51,9 @@ def add_gpu_arguments(p: argparse.ArgumentParser) -> None:
                                                        "rate))")
     p.add_argument("--serve-policies", default=None, help="comma list of the policies the serve section runs side by "
                                                           f"side (default {DEFAULT_POLICY},full)")
+    p.add_argument("--serve-kv-block-size", type=int, default=0, help="rows per block of the serve section's KV "
+                                                                     "block pool (the engine's --kv-block-size; "
+                                                                     "default 0: a buffer per request)")
     p.add_argument("--ram-gib", type=float, default=20.0, help="RAM (or device) budget of the chunk store, GiB")
     p.add_argument("--tokenizer", type=Path, default=None, help="folder with the tokenizer files "
                                                                 "(default: the prepared default model's)")

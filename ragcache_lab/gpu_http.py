@@ -39,14 +39,17 @@ def server_missing() -> str | None:
 
 @contextlib.contextmanager
 def random_engine(name: str, device: torch.device, dtype: torch.dtype, tokenizer_dir: Path, work: Path,
-                  args: argparse.Namespace, max_batch: int, kv_rows: int | None = None) -> Iterator[Any]:
+                  args: argparse.Namespace, max_batch: int, kv_rows: int | None = None,
+                  kv_block_size: int = 0) -> Iterator[Any]:
     """An engine of shape `name` with random weights, batching up to `max_batch` requests (the
     served sections' clients must not queue behind a smaller batch) and, with `kv_rows`, admitting
-    running requests up to that many KV rows together (see `kv_budget`); closed, and its device
-    memory given back, on exit."""
+    running requests up to that many KV rows together (see `kv_budget`; with `kv_block_size`, a
+    block pool of those bytes); closed, and its device memory given back, on exit."""
     folder = model_folder(SHAPES[name], tokenizer_dir, work / f"model-{name}")
     runner = random_runner(folder, device, dtype)
-    options = {"batch_kv_bytes": kv_budget(runner, kv_rows)} if kv_rows else {}
+    options: dict[str, int] = {"batch_kv_bytes": kv_budget(runner, kv_rows)} if kv_rows else {}
+    if kv_block_size:
+        options["kv_block_size"] = kv_block_size
     engine = engine_on(runner, folder, ram_cache_bytes=args.ram_bytes, max_batch=max(max_batch, 1), **options)
     try:
         yield engine

@@ -21,7 +21,10 @@ closed_loop.RequestTrace.token_gaps), output tokens/s and requests/s over the ro
 requests past the server's request timeout, the chunk hit ratio and reused tokens the responses'
 stats report, and the peak KV the engine's running requests held, as its scheduler counts it
 (`Engine.stats().kv_rows`, reset per row): rows reserved (prompt + max_tokens + 1 each, what
-admission counts) and rows written; on CUDA also the device's peak allocated memory.
+admission counts; with `--serve-kv-block-size`, the block pool's blocks held) and rows written; on
+CUDA also the device's peak allocated memory. Beside the rows, how many such requests fit in the
+KV budget at once: as buffers, in the block pool, and in a paged engine admitting by blocks in use
+(`requests_that_fit`).
 
 The floor: one decode step reads every weight once (the input embeddings but a row each) and each
 running request's keys and values at its context. At the measured copy bandwidth, for the row's
@@ -85,6 +88,24 @@ def decode_floor(shape: dict[str, Any], dtype: torch.dtype, bandwidth_gb_s: floa
     return {"floor_step_ms": step_s * 1e3, "floor_tokens_per_s": concurrency / step_s}
 
 
+def requests_that_fit(shape: dict[str, Any], dtype: torch.dtype, kv_bytes: int, prompt_rows: int,
+                      answer: tuple[int, int], block_size: int) -> dict[str, int]:
+    """Concurrent requests of `prompt_rows` + an answer in `answer` whose KV fits in `kv_bytes`:
+    as buffers (admission reserves prompt + the longest answer + 1 rows of three tensors each), as
+    the block pool admits them (two tensors, whole blocks of that reservation), and as a paged
+    engine that admits by blocks in use would hold them at the mean answer length (two tensors,
+    whole blocks): the arithmetic behind "fits beside the model"."""
+    element = torch.empty((), dtype=dtype).element_size()
+    per_row = shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * element
+    reserved = prompt_rows + answer[1] + 1
+    mean_rows = prompt_rows + (answer[0] + answer[1]) // 2
+    blocks = -(-reserved // block_size)
+    return {"prompt_rows": prompt_rows, "reserved_rows": reserved, "block_size": block_size,
+            "buffers": kv_bytes // (3 * per_row * reserved),
+            "block_pool": (kv_bytes // (2 * per_row * block_size)) // blocks,
+            "paged_engine_estimate": kv_bytes // (2 * per_row * block_size * -(-mean_rows // block_size))}
+
+
 @dataclass(frozen=True)
 class RowSetting:
     """What every row of a run shares: how its floor and KV are counted, and the server's timeout."""
@@ -113,8 +134,13 @@ def serve_section(name: str, device: torch.device, dtype: torch.dtype, tokenizer
                            "passage_tokens": args.http_passage_tokens, "tokens": list(lo_hi), "zipf_s": ZIPF_S,
                            "policies": args.serve_policies, "max_batch": max_batch,
                            "request_timeout_s": setting.timeout_s, "rows": []}
-    with random_engine(name, device, dtype, tokenizer_dir, work, args, max_batch, max_batch * rows_each) as engine:
+    block_size = args.serve_kv_block_size
+    with random_engine(name, device, dtype, tokenizer_dir, work, args, max_batch, max_batch * rows_each,
+                       block_size) as engine:
         out["batch_kv_gib"] = round(engine.settings().batching.kv_bytes / 2**30, 3)
+        out["kv_block_size"] = block_size
+        out["fit"] = requests_that_fit(SHAPES[name], dtype, engine.settings().batching.kv_bytes,
+                                       rows_each - lo_hi[1] - 1, lo_hi, block_size or 16)
         corpus = passages(args.serve_corpus, args.http_passage_tokens, lambda t: engine.tokenizer().encode(t),
                           args.data)
         engine.warm(corpus)
@@ -153,8 +179,14 @@ def _row(mode: str, load: float, policy: str, setting: RowSetting,
                            **row_stats(traces, wall, setting.timeout_s)}
     row_bytes = kv_row_bytes(shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"],
                              setting.dtype)
-    row["peak_kv_bytes"] = kv.peak_reserved * row_bytes
-    row["peak_kv_used_bytes"] = kv.peak_used * row_bytes
+    if kv.blocks_total:  # a block pool: held is whole blocks of rotated keys and values
+        block_bytes = engine.settings().batching.kv_block_size * row_bytes * 2 // 3
+        row["peak_kv_blocks"] = kv.peak_blocks_used
+        row["peak_kv_bytes"] = kv.peak_blocks_used * block_bytes
+        row["peak_kv_used_bytes"] = kv.peak_used * row_bytes * 2 // 3
+    else:
+        row["peak_kv_bytes"] = kv.peak_reserved * row_bytes
+        row["peak_kv_used_bytes"] = kv.peak_used * row_bytes
     if device.type == "cuda":
         row["peak_device_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     row.update(decode_floor(shape, setting.dtype, setting.bandwidth_gb_s, row["mean_concurrency"],
@@ -178,6 +210,15 @@ def serve_lines(shape: str, value: dict[str, Any]) -> list[str]:
                  "| req/s | in flight | peak KV GiB | chunk hits | ceiling tok/s | achieved/ceiling |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [_table_row(r) for r in value["rows"]]
+    fit = value.get("fit")
+    if fit:
+        pool = f"blocks of {value['kv_block_size']} rows" if value.get("kv_block_size") else "buffers (no block pool)"
+        lines += ["", f"KV of the running requests: {value['batch_kv_gib']} GiB, held as {pool}. Requests of "
+                      f"{fit['prompt_rows']} prompt rows that fit in it at once: {fit['buffers']} as buffers "
+                      f"({fit['reserved_rows']} rows of three tensors each), {fit['block_pool']} in the block pool "
+                      f"({fit['reserved_rows']} rows of two, in whole blocks of {fit['block_size']}), "
+                      f"{fit['paged_engine_estimate']} in a paged engine that admits by blocks in use (the mean "
+                      f"answer's rows of two)."]
     errors = [f"{_load(r)} {r['policy']}: {r['first_error']}" for r in value["rows"] if r["first_error"]]
     return lines + ([""] + [f"First error, {e}" for e in errors] if errors else []) + [""]
 

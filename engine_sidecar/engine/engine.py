@@ -33,8 +33,10 @@ from engine_sidecar.engine.sequence_steps import SequenceSteps
 from engine_sidecar.engine.split_prefill import PrefixRun, SplitPrefill
 from engine_sidecar.engine.verify import FirstTokenVerifier
 from engine_sidecar.engine.warm import Pool, WarmReport, neighbour_index, warm_chunks
-from engine_sidecar.engine_config import EngineConfig
+from engine_sidecar.engine_config import BatchingConfig, EngineConfig
+from engine_sidecar.errors import InvalidSettingError
 from engine_sidecar.execution.batched_decode import decode_batch
+from engine_sidecar.execution.block_pool import BlockPool
 from engine_sidecar.execution.calibration import resolve as fused_temperatures
 from engine_sidecar.execution.decode_graphs import DecodeGraphs, decode_graphs
 from engine_sidecar.execution.kernel_warmup import warm_kernels
@@ -107,6 +109,19 @@ class EngineStats:
     kv_rows: KVRows  # KV rows the running sequences reserve and use, with their peaks
 
 
+def block_pool(runner: ModelRunner, batching: BatchingConfig) -> BlockPool | None:
+    """The running requests' KV pool, where `kv_block_size` asks for one: `kv_bytes` of blocks."""
+    if not batching.kv_block_size:
+        return None
+    pool_bytes = 2 * runner.config.num_layers * runner.config.num_kv_heads * runner.config.head_dim \
+        * batching.kv_block_size * torch.empty((), dtype=runner.dtype).element_size()
+    if batching.kv_bytes < pool_bytes:
+        raise InvalidSettingError(f"--kv-block-size {batching.kv_block_size} needs --batch-kv-gb of at least one "
+                                  f"block, {pool_bytes} bytes for this model; got {batching.kv_bytes}")
+    return BlockPool(runner.config, runner.dtype, runner.device, block_size=batching.kv_block_size,
+                     max_bytes=batching.kv_bytes)
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, builder: PromptBuilder, store: ChunkStore, config: EngineConfig,
                  model_dir: Path):
@@ -129,15 +144,16 @@ class Engine:
         self.split = SplitPrefill(runner, self.prep, self.cache, self.prefill_stage, self._lock)  # vLLM connector
         c = runner.config
         kv_row_bytes = 3 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=runner.dtype).element_size()
+        self.blocks = block_pool(runner, config.batching)
         self.steps = SequenceSteps(self.cache, self.prefill_stage, runner, builder.decode,
                                    eos_token_ids(runner.config.eos_token_ids, builder.tokenizer),
                                    config.reuse.convention, self.kv_pool,
-                                   FirstTokenVerifier(runner, config.reuse.verify_fraction))
+                                   FirstTokenVerifier(runner, config.reuse.verify_fraction), self.blocks)
         self.scheduler = Scheduler(functools.partial(decode_batch, runner), self._lock, self.steps,
                                    config.batching.max_batch,
                                    max(1, config.batching.kv_bytes // kv_row_bytes),
                                    decode_graphs(runner, config.batching, self.max_context),
-                                   prefill_budget_tokens=config.batching.prefill_token_budget)
+                                   prefill_budget_tokens=config.batching.prefill_token_budget, blocks=self.blocks)
         self._close_at_exit = _closer(weakref.ref(self))
         atexit.register(self._close_at_exit)
         weakref.finalize(self, atexit.unregister, self._close_at_exit)  # collected unclosed: nothing to do at exit

@@ -29,15 +29,17 @@ import torch
 
 from engine_sidecar.engine.sampling import choose_tokens
 from engine_sidecar.engine.sequence import Sequence
-from engine_sidecar.errors import EngineUnavailableError
+from engine_sidecar.errors import EngineUnavailableError, PromptTooLongError
+from engine_sidecar.execution.batched_decode import DecodeKV
+from engine_sidecar.execution.block_pool import BlockPool
 from engine_sidecar.execution.decode_graphs import DecodeGraphs
-from engine_sidecar.execution.kv_buffer import KVBuffer
+from engine_sidecar.execution.paged_kv import PagedKV
 
 log = logging.getLogger("ragcache.scheduler")
 
-# One batched decode step: token i appended to KV buffer i -> next-token logits [B, vocab]
+# One batched decode step: token i appended to KV i -> next-token logits [B, vocab]
 # (the engine's is `decode_batch` over its model runner)
-BatchDecode = Callable[[list[KVBuffer], list[int]], torch.Tensor]
+BatchDecode = Callable[[list[DecodeKV], list[int]], torch.Tensor]
 
 
 class SequenceStepper(Protocol):
@@ -61,27 +63,36 @@ class SchedulerClosed(EngineUnavailableError):
 class KVRows:
     """KV rows (one per token, every layer) the running sequences hold: `reserved` is their buffers'
     capacity (prompt + max_tokens + 1 each, what admission counts), `used` the rows written so far.
-    Each `peak_` is the most seen at the end of a prefill or decode step since the engine started,
-    or since `Scheduler.reset_kv_peaks`."""
+    With a block pool, `blocks_used` counts the pool's blocks held, of `blocks_total`. Each `peak_` is
+    the most seen at the end of a prefill or decode step since the engine started, or since
+    `Scheduler.reset_kv_peaks`."""
 
     reserved: int = 0
     used: int = 0
     peak_reserved: int = 0
     peak_used: int = 0
+    blocks_used: int = 0
+    peak_blocks_used: int = 0
+    blocks_total: int = 0
 
 
 class Scheduler:
     def __init__(self, decode: BatchDecode, lock: threading.RLock, steps: SequenceStepper, max_batch: int,
-                 kv_budget_tokens: int, graphs: DecodeGraphs | None = None, prefill_budget_tokens: int = 8192):
+                 kv_budget_tokens: int, graphs: DecodeGraphs | None = None, prefill_budget_tokens: int = 8192,
+                 blocks: BlockPool | None = None):
         """`steps.begin(seq)` plans and prefills a sequence and samples its first token (True while
         it wants more); `steps.complete(seq)` runs after its last token. Both run on the stepping
         thread with `lock` held, as does `decode`, the batched decode step over the running
         sequences. `graphs`, where given, replays decode steps from CUDA graphs. A step prefills
-        prompts of at most `prefill_budget_tokens` tokens together (at least one prompt)."""
+        prompts of at most `prefill_budget_tokens` tokens together (at least one prompt). With
+        `blocks`, the running sequences' KV is in that pool (`steps.begin` moves it there) and a
+        sequence is admitted while the pool's free blocks, less those the running ones may still
+        take, hold its prompt + max_tokens + 1 rows; `kv_budget_tokens` is then not used."""
         self.decode, self.lock, self.graphs = decode, lock, graphs
         self.steps = steps
         self.max_batch = max(1, max_batch)
         self.kv_budget_tokens = kv_budget_tokens
+        self.blocks = blocks
         self.prefill_budget_tokens = max(1, prefill_budget_tokens)
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
@@ -107,9 +118,17 @@ class Scheduler:
     def reset_kv_peaks(self) -> None:
         """Start the peaks again from what is held now (a benchmark's next load level)."""
         rows = self.kv_rows
-        self.kv_rows = dataclasses.replace(rows, peak_reserved=rows.reserved, peak_used=rows.used)
+        self.kv_rows = dataclasses.replace(rows, peak_reserved=rows.reserved, peak_used=rows.used,
+                                           peak_blocks_used=rows.blocks_used)
 
     def submit(self, seq: Sequence) -> None:
+        """Queue the sequence. Raises PromptTooLongError where the block pool could never hold it."""
+        if self.blocks is not None and self.blocks.blocks_for(seq.reserved_tokens) > self.blocks.num_blocks:
+            pool = self.blocks
+            raise PromptTooLongError(
+                f"the prompt's {seq.prompt_tokens} tokens and max_tokens {seq.sampling.max_tokens} need "
+                f"{pool.blocks_for(seq.reserved_tokens)} KV blocks of {pool.block_size} rows; the pool holds "
+                f"{pool.num_blocks} (--batch-kv-gb): lower max_tokens or shorten the prompt")
         with self._cond:
             if self.failure is not None:
                 raise SchedulerClosed(f"the engine's scheduler stopped on a fault ({self.failure}); restart the server")
@@ -183,9 +202,11 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         """The oldest waiting sequences that fit beside the running ones, in arrival order, while
         their prompts stay within the prefill budget. The first always fits the budget, and fits
-        the KV rows when nothing runs (a request larger than the KV budget runs, alone)."""
+        the KV rows when nothing runs (a request larger than the KV budget runs, alone; with a
+        block pool, `submit` refused any the whole pool cannot hold)."""
         admitted: list[Sequence] = []
         reserved = sum(s.reserved_tokens for s in self._running)
+        free_blocks = self._unpromised_blocks()
         prompt_tokens = 0
         while self._waiting:
             head = self._waiting[0]
@@ -195,7 +216,12 @@ class Scheduler:
             if len(self._running) + len(admitted) >= self.max_batch:
                 break
             alone = not self._running and not admitted
-            if not alone and reserved + head.reserved_tokens > self.kv_budget_tokens:
+            if self.blocks is not None:
+                need = self.blocks.blocks_for(head.reserved_tokens)
+                if need > free_blocks:
+                    break
+                free_blocks -= need
+            elif not alone and reserved + head.reserved_tokens > self.kv_budget_tokens:
                 break
             if admitted and prompt_tokens + head.prompt_tokens > self.prefill_budget_tokens:
                 break
@@ -203,6 +229,13 @@ class Scheduler:
             reserved += head.reserved_tokens
             prompt_tokens += head.prompt_tokens
         return admitted
+
+    def _unpromised_blocks(self) -> int:
+        """The pool's free blocks less those running sequences may still take (0 without a pool)."""
+        if self.blocks is None:
+            return 0
+        promised = sum(s.kv.blocks_promised for s in self._running if isinstance(s.kv, PagedKV))
+        return self.blocks.free_blocks - promised
 
     def _prefill(self, seq: Sequence) -> None:
         self.steps_prefill += 1
@@ -223,7 +256,10 @@ class Scheduler:
         held = [s.kv for s in (self._running if also is None else [*self._running, also]) if s.kv is not None]
         reserved, used = sum(kv.capacity for kv in held), sum(kv.length for kv in held)
         rows = self.kv_rows
-        self.kv_rows = KVRows(reserved, used, max(rows.peak_reserved, reserved), max(rows.peak_used, used))
+        blocks = self.blocks.num_blocks - self.blocks.free_blocks if self.blocks is not None else 0
+        self.kv_rows = KVRows(reserved, used, max(rows.peak_reserved, reserved), max(rows.peak_used, used),
+                              blocks, max(rows.peak_blocks_used, blocks),
+                              self.blocks.num_blocks if self.blocks is not None else 0)
 
     def _decode(self) -> None:
         batch = self._running

@@ -20,6 +20,7 @@ from engine_sidecar.engine.sampling import TextAccumulator, choose_token
 from ragcache_integrations.types import ChunkedPrompt, GenerationResult, GenerationStats, SamplingParams
 
 if TYPE_CHECKING:
+    from engine_sidecar.execution.batched_decode import DecodeKV
     from engine_sidecar.execution.kv_buffer import KVBuffer
     from engine_sidecar.execution.policies import Policy
     from engine_sidecar.reuse.planner import PlannedRequest
@@ -37,7 +38,7 @@ class Sequence:
     prompt_tokens: int  # before planning: what admission reserves KV for
     t0: float  # arrival: TTFT counts the wait for admission too
     times: dict[str, float] = field(default_factory=dict)
-    kv: KVBuffer | None = None
+    kv: DecodeKV | None = None
     stats: GenerationStats | None = None
     text: TextAccumulator | None = None
     stop_ids: frozenset[int] = frozenset()
@@ -48,12 +49,13 @@ class Sequence:
     decode_started: float = 0.0
     cancelled: threading.Event = field(default_factory=threading.Event)
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    # takes the KV buffer back when the sequence lets go of it (the engine's KVPool, on a CPU)
-    on_release: Callable[[KVBuffer], None] | None = None
+    # takes the KV back when the sequence lets go of it (the engine's KVPool on a CPU, its block pool)
+    on_release: Callable[[DecodeKV], None] | None = None
 
     @property
     def reserved_tokens(self) -> int:
-        """KV rows this sequence may need: its prompt, every new token and one spare."""
+        """KV rows this sequence may need: its prompt, every new token and one spare (what it was
+        admitted with, once it holds KV)."""
         if self.kv is not None:
             return self.kv.capacity
         return self.prompt_tokens + self.sampling.max_tokens + 1

@@ -1,7 +1,7 @@
 """What the scheduler runs for one sequence: its prefill step (plan from the reuse cache, prefill,
-first token, then the commit of what the prefill computed) and its completion (its conversation
-kept, its background precompute queued, its result posted). Both run on the stepping thread with
-the engine lock held."""
+first token, then the commit of what the prefill computed, then its KV moved into the block pool
+where the engine has one) and its completion (its conversation kept, its background precompute
+queued, its result posted). Both run on the stepping thread with the engine lock held."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from engine_sidecar.engine.sequence import Sequence
 from engine_sidecar.engine.stats import request_stats
 from engine_sidecar.engine.verify import FirstTokenVerifier
 from engine_sidecar.errors import NON_FINITE_MESSAGE, NonFiniteKVError
+from engine_sidecar.execution.batched_decode import DecodeKV
+from engine_sidecar.execution.block_pool import BlockPool
 from engine_sidecar.execution.kv_pool import KVPool
+from engine_sidecar.execution.paged_kv import PagedKV
 from engine_sidecar.model.runner import ModelRunner
 from engine_sidecar.reuse.cache import ReuseCache
 from engine_sidecar.reuse.turn_history import conversation_after_turn
@@ -23,11 +26,13 @@ from engine_sidecar.store.entry import finite_kv
 class SequenceSteps:
     def __init__(self, cache: ReuseCache, prefill: PrefillStage, runner: ModelRunner,
                  decode: Callable[[list[int]], str], eos_ids: set[int], convention: str,
-                 kv_pool: KVPool | None = None, verifier: FirstTokenVerifier | None = None):
+                 kv_pool: KVPool | None = None, verifier: FirstTokenVerifier | None = None,
+                 blocks: BlockPool | None = None):
         self.cache, self.prefill, self.runner, self.decode, self.eos_ids = cache, prefill, runner, decode, eos_ids
         self.convention = convention
         self.kv_pool = kv_pool  # where sequences' KV buffers come from and go back to (a CPU's)
         self.verifier = verifier
+        self.blocks = blocks  # where decode KV lives, if anywhere but each sequence's own buffer
 
     def begin(self, seq: Sequence) -> bool:
         """Scheduler step (engine lock held): plan, prefill, keep what the prefill computed, sample
@@ -39,9 +44,10 @@ class SequenceSteps:
             assert prompt is not None
             planned = self.cache.plan(prompt, seq.policy, seq.tenant, answer_tokens=seq.sampling.max_tokens)
             seq.times["plan_s"] = time.perf_counter() - started
-        capacity = planned.plan.num_tokens + seq.sampling.max_tokens + 1
-        if self.kv_pool is not None:
-            seq.on_release = self.kv_pool.give
+        reserved = planned.plan.num_tokens + seq.sampling.max_tokens + 1
+        # with a block pool the prefill's buffer holds the prompt only: decode grows blocks
+        capacity = reserved if self.blocks is None else max(1, planned.plan.num_tokens)
+        seq.on_release = self._let_go
         planned, result = self.prefill.run(planned, capacity, seq.times,
                                            allocate=self.kv_pool.take if self.kv_pool is not None else None)
         seq.planned = planned
@@ -59,7 +65,18 @@ class SequenceSteps:
             verified = time.perf_counter()
             stats.verified_first_token = self.verifier.check(planned.plan, result.logits)
             seq.times["verify_s"] = time.perf_counter() - verified
+        if self.blocks is not None:
+            seq.kv = PagedKV.from_buffer(self.blocks, result.kv,
+                                          max(reserved, seq.prompt_tokens + seq.sampling.max_tokens + 1))
+            self._let_go(result.kv)
         return more
+
+    def _let_go(self, kv: DecodeKV) -> None:
+        """A sequence's KV it no longer reads: blocks back to the pool, a buffer to the KVPool."""
+        if isinstance(kv, PagedKV):
+            kv.release()
+        elif self.kv_pool is not None:
+            self.kv_pool.give(kv)
 
     def complete(self, seq: Sequence) -> None:
         """Scheduler step after a sequence's last token: keep its conversation and queue its
@@ -67,7 +84,8 @@ class SequenceSteps:
         with a next turn or `wait_background`, finds both done)."""
         assert seq.planned is not None and seq.kv is not None
         if seq.prompt is not None and seq.prompt.conversation_id:
-            turn = conversation_after_turn(self.runner, seq.prompt, seq.planned, seq.kv, seq.generated, seq.tenant)
+            kv = seq.kv.to_buffer(self.runner) if isinstance(seq.kv, PagedKV) else seq.kv
+            turn = conversation_after_turn(self.runner, seq.prompt, seq.planned, kv, seq.generated, seq.tenant)
             if not finite_kv(turn.history.keys, turn.history.values):
                 raise NonFiniteKVError(NON_FINITE_MESSAGE)  # the next turn would read it
             self.cache.keep_conversation(turn)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_sidecar.engine_config import BatchingConfig
-from engine_sidecar.execution.batched_decode import decode_layers
+from engine_sidecar.execution.batched_decode import DecodeKV, decode_layers
 from engine_sidecar.execution.graph_capture import capture_step, graphs_unavailable
 from engine_sidecar.execution.kv_buffer import KVBuffer
 from engine_sidecar.model.runner import ModelRunner
@@ -91,23 +91,26 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= batch), None)
 
     @torch.inference_mode()
-    def decode(self, kvs: list[KVBuffer], token_ids: list[int]) -> torch.Tensor | None:
+    def decode(self, kvs: list[DecodeKV], token_ids: list[int]) -> torch.Tensor | None:
         """Logits [B, vocab] of one decode step (each sequence's token appended to its KV), or None
         when no graph serves this step: the caller then decodes op by op. The logits are a view
         that the next replay overwrites: read them before the next step."""
+        buffers = [kv for kv in kvs if isinstance(kv, KVBuffer)]
+        if len(buffers) != len(kvs):
+            return None  # a sequence in the block pool: its decode is not captured
         size = self.bucket(len(kvs))
         if size is None or self.failed is not None or dispatch.resolve_backend(self.runner.device) != "triton":
             return None
-        if any(kv.length + 1 > self.max_context for kv in kvs):
+        if any(kv.length + 1 > self.max_context for kv in buffers):
             return None  # past the length the fixed key split was sized for
-        for kv in kvs:
+        for kv in buffers:
             kv.ensure_capacity(kv.length + 1)
         graph = self.graphs.get(size) or self._build(size)
         if graph is None:
             return None
-        self._fill(graph, kvs, token_ids)
+        self._fill(graph, buffers, token_ids)
         self._replay(graph)
-        for kv in kvs:
+        for kv in buffers:
             kv.length += 1
         assert graph.logits is not None
         return graph.logits[: len(kvs)]

@@ -91,6 +91,8 @@ class ServerMetrics:
         self.kv_rows = Gauge("ragcache_kv_rows", "KV rows (tokens, every layer) the running requests hold: reserved "
                              "(prompt + max_tokens + 1 each, what admission counts) and used (written so far)",
                              ["kind"], registry=r)
+        self.kv_blocks = Gauge("ragcache_kv_blocks", "Blocks of the KV block pool (--kv-block-size): used by the "
+                               "running requests, and the pool's total (both 0 without a pool)", ["kind"], registry=r)
         self._hits = self._lookups = 0
 
     def first_token(self, seconds: float) -> None:
@@ -147,6 +149,8 @@ class ServerMetrics:
         if rows is not None:
             self.kv_rows.labels("reserved").set(rows.reserved)
             self.kv_rows.labels("used").set(rows.used)
+            self.kv_blocks.labels("used").set(rows.blocks_used)
+            self.kv_blocks.labels("total").set(rows.blocks_total)
         return generate_latest(_WithoutCreated(self.registry))
 
 

@@ -52,7 +52,7 @@ def _a_value(setting) -> tuple[list[str], object]:
         return [flag.name, other], other
     return {
         "positive": ([flag.name, "3"], 3),
-        "whole": ([flag.name, "0"], 0),
+        "whole": ([flag.name, "0"], 0) if default != 0 else ([flag.name, "5"], 5),
         "non_negative": ([flag.name, "7.5"], 7.5),
         "above_zero": ([flag.name, "7.5"], 7.5),
         "temperature": ([flag.name, "off"], "off"),

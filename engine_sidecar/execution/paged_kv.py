@@ -1,0 +1,98 @@
+"""A running sequence's decode KV held in the engine's block pool instead of a buffer of its own.
+
+With `--kv-block-size`, the prefill still computes into a transient `KVBuffer` (keys before and
+after RoPE, values: what the commit of chunk KV reads), and as soon as the commit has run, the
+prompt's rotated keys and values move into blocks of the pool and the buffer is let go. Decode
+then appends one row per step, taking a new block only when the last one fills; a finished
+sequence gives its blocks back at once. What decode never reads, the pre-RoPE keys, is not kept:
+where a commit after decode needs them (a conversation's history), they are rotated back from
+the pool's keys, which is exact up to the rounding of one rotation in the pool's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_sidecar.execution.block_pool import BlockPool, BlockTable
+from engine_sidecar.execution.kv_buffer import KVBuffer
+from engine_sidecar.model.runner import ModelRunner
+from ragcache_kernels import dispatch
+
+
+@dataclass(eq=False)
+class PagedKV:
+    pool: BlockPool
+    table: BlockTable
+    reserved: int  # rows admission counted for it (prompt + max_tokens + 1): blocks it may still take
+
+    @classmethod
+    def from_buffer(cls, pool: BlockPool, kv: KVBuffer, reserved: int) -> PagedKV:
+        """The buffer's rows [0, kv.length) copied into new blocks of `pool`."""
+        table = pool.allocate(kv.length)
+        if kv.length:
+            pool.write(table, 0, kv.keys[:, : kv.length], kv.values[:, : kv.length])
+        return cls(pool, table, max(reserved, kv.length))
+
+    @property
+    def length(self) -> int:
+        return self.table.length
+
+    @property
+    def capacity(self) -> int:
+        """Rows counted for it: what it was admitted with (its blocks hold `held_rows`)."""
+        return self.reserved
+
+    @property
+    def held_rows(self) -> int:
+        return len(self.table.blocks) * self.pool.block_size
+
+    @property
+    def blocks_promised(self) -> int:
+        """Blocks it may still take before it reaches its reserved rows."""
+        return max(0, self.pool.blocks_for(self.reserved) - len(self.table.blocks))
+
+    def release(self) -> None:
+        self.pool.free(self.table)
+
+    def to_buffer(self, runner: ModelRunner) -> KVBuffer:
+        """Its rows as a new contiguous KVBuffer, pre-RoPE keys rotated back from the pool's keys
+        (in fp32, each layer by its own RoPE table)."""
+        keys, values = self.pool.gather(self.table)
+        positions = torch.arange(self.length, device=keys.device)
+        tables = runner.rope_tables(positions)
+        keys_pre = torch.empty_like(keys)
+        for layer in range(keys.shape[0]):
+            cos, sin = tables.at(layer)
+            keys_pre[layer] = dispatch.apply_rope(keys[layer].float(), cos.float(), -sin.float()).to(keys.dtype)
+        return KVBuffer(keys_pre, keys, values, length=self.length)
+
+
+class PagedStep:
+    """One decode step's view of the paged sequences in a batch: each gets one row appended (its
+    slot taken before the step, so a step never runs out of blocks part-way), then every layer
+    writes the new rows in one index copy and attends through the block tables."""
+
+    def __init__(self, runner: ModelRunner, kvs: list[PagedKV]):
+        pool = kvs[0].pool
+        self.runner, self.pool = runner, pool
+        self.positions = [pool.append_slots(kv.table, 1) for kv in kvs]
+        slots = [kv.table.blocks[pos // pool.block_size] * pool.block_size + pos % pool.block_size
+                 for kv, pos in zip(kvs, self.positions, strict=True)]
+        self.slots = torch.tensor(slots, dtype=torch.int64, device=pool.device)
+        self.block_tables = pool.table_tensor([kv.table for kv in kvs])
+        self.lengths = pool.lengths([kv.table for kv in kvs])
+        c = runner.config
+        self.flat_shape = (pool.num_blocks * pool.block_size, c.num_kv_heads, c.head_dim)
+        self.scale = c.head_dim**-0.5  # as every decode attention here: a family's own query scale is in q
+
+    def write_and_attend(self, layer: int, q: torch.Tensor, k_rot: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """New rows of one layer written, then q [P, H, D] attended over each sequence's rows ->
+        [P, H * D]."""
+        key_blocks, value_blocks = self.pool.layer(layer)
+        key_blocks.view(self.flat_shape).index_copy_(0, self.slots, k_rot.to(key_blocks.dtype))
+        value_blocks.view(self.flat_shape).index_copy_(0, self.slots, values.to(value_blocks.dtype))
+        out = dispatch.paged_decode_attention(q, key_blocks, value_blocks, self.block_tables, self.lengths,
+                                              self.scale, self.runner.window(layer))
+        return out.reshape(q.shape[0], -1)

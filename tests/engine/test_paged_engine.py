@@ -1,0 +1,135 @@
+"""An engine whose running requests keep their KV in the block pool (`kv_block_size`): the same
+greedy answers as buffers of their own, admission by free blocks, every block back when requests
+end however they end, a request the pool can never hold refused up front, and conversations that
+continue from a history rebuilt out of the pool."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine_sidecar import Engine
+from engine_sidecar.errors import PromptTooLongError
+from ragcache_integrations.types import ChunkedPrompt
+
+PASSAGES = [
+    "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
+    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, at 5,895 metres.",
+    "The Danube passes through ten countries, more than any other river in the world.",
+]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _prompt(i: int, conversation_id: str | None = None) -> ChunkedPrompt:
+    return ChunkedPrompt(chunks=[PASSAGES[i % 3], PASSAGES[(i + 1) % 3]], question=f"Which one, number {i}?",
+                         conversation_id=conversation_id)
+
+
+def _engine(model_dir, **options) -> Engine:
+    return Engine.from_pretrained(model_dir, device="cpu", dtype="float32", disk=False, **options)
+
+
+def _concurrently(fn, n: int) -> list:
+    results: list = [None] * n
+    start = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        start.wait()
+        results[i] = fn(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return results
+
+
+def _answers(engine: Engine, n: int = 4) -> list[list[int]]:
+    results = _concurrently(lambda i: engine.generate(_prompt(i), {**GREEDY, "max_tokens": 10 + 7 * i}), n)
+    return [r.token_ids for r in results]
+
+
+def test_paged_answers_equal_buffered_ones_and_every_block_comes_back(smol_dir):
+    """The real SmolLM2 (a random model's near-ties flip on the rounding a batch's make-up
+    changes): requests decoded together from blocks answer what buffers answer."""
+    with _engine(smol_dir) as buffered:
+        expected = _answers(buffered)
+    with _engine(smol_dir, kv_block_size=16) as paged:
+        assert paged.blocks is not None
+        assert _answers(paged) == expected
+        assert paged.scheduler.peak_batch > 1, "no decode step served more than one paged sequence"
+        rows = paged.stats().kv_rows
+        assert rows.blocks_total == paged.blocks.num_blocks
+        assert rows.peak_blocks_used >= 2 and rows.blocks_used == 0
+        assert paged.blocks.free_blocks == paged.blocks.num_blocks
+
+
+def test_admission_waits_for_free_blocks(smol_dir):
+    """Identical requests that need r blocks each, in a pool of 3r - 1: two run at once, the
+    others wait for blocks (none fails), and each answers what it answers alone."""
+    sampling = {**GREEDY, "max_tokens": 24}
+    with _engine(smol_dir, kv_block_size=8) as probe:
+        alone = probe.generate(_prompt(0), sampling).token_ids
+        assert probe.blocks is not None
+        per_request = probe.blocks.blocks_for(probe.stats().kv_rows.peak_reserved)
+        block_bytes = probe.blocks.bytes_per_block
+    with _engine(smol_dir, kv_block_size=8, batch_kv_bytes=block_bytes * (3 * per_request - 1)) as small:
+        assert small.blocks is not None and small.blocks.num_blocks == 3 * per_request - 1
+        results = _concurrently(lambda i: small.generate(_prompt(0), sampling), 5)
+        assert [r.token_ids for r in results] == [alone] * 5
+        assert small.scheduler.peak_batch == 2
+        assert small.stats().kv_rows.peak_blocks_used <= small.blocks.num_blocks
+        assert small.blocks.free_blocks == small.blocks.num_blocks
+
+
+def test_a_request_the_pool_can_never_hold_is_refused_up_front(tiny_llama_dir):
+    with _engine(tiny_llama_dir, kv_block_size=16, batch_kv_bytes=1 << 20) as engine:
+        assert engine.blocks is not None
+        too_many = engine.blocks.num_blocks * engine.blocks.block_size
+        with pytest.raises(PromptTooLongError, match="--batch-kv-gb"):
+            engine.generate(_prompt(0), {**GREEDY, "max_tokens": too_many})
+        assert engine.generate(_prompt(0), {**GREEDY, "max_tokens": 4}).token_ids
+        assert engine.blocks.free_blocks == engine.blocks.num_blocks
+
+
+def test_a_closed_stream_gives_its_blocks_back(tiny_llama_dir):
+    with _engine(tiny_llama_dir, kv_block_size=16) as engine:
+        assert engine.blocks is not None
+        stream = engine.stream(_prompt(0), {**GREEDY, "max_tokens": 400})
+        ticks = stream.ticks()
+        next(ticks)  # the first token is out before its KV moves into the pool: read one more
+        next(ticks)
+        assert engine.blocks.free_blocks < engine.blocks.num_blocks
+        stream.close()
+        other = engine.generate(_prompt(1), {**GREEDY, "max_tokens": 4})  # a step runs: the closed one leaves
+        assert len(other.token_ids) == 4
+        deadline = time.monotonic() + 60
+        while engine.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.blocks.free_blocks == engine.blocks.num_blocks
+
+
+def test_a_conversation_continues_from_a_history_rebuilt_out_of_the_pool(smol_dir):
+    def two_turns(engine: Engine) -> tuple[list[int], list[dict]]:
+        engine.generate(_prompt(0, "conv"), {**GREEDY, "max_tokens": 9})
+        follow = engine.generate(ChunkedPrompt(chunks=[PASSAGES[2]], question="And the longest?",
+                                               conversation_id="conv"), {**GREEDY, "max_tokens": 12})
+        return follow.token_ids, follow.stats.plan
+
+    with _engine(smol_dir) as buffered:
+        expected, _ = two_turns(buffered)
+    with _engine(smol_dir, kv_block_size=16) as paged:
+        answer, plan = two_turns(paged)
+        assert plan[0]["kind"] == "history" and plan[0]["mode"] == "exact"
+        assert answer == expected
+        assert paged.blocks is not None and paged.blocks.free_blocks == paged.blocks.num_blocks
+
+
+def test_a_pool_smaller_than_one_block_is_a_settings_error(tiny_llama_dir):
+    from engine_sidecar.errors import InvalidSettingError
+
+    with pytest.raises(InvalidSettingError, match="--batch-kv-gb of at least one block"):
+        _engine(tiny_llama_dir, kv_block_size=16, batch_kv_bytes=0)
