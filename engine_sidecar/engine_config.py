@@ -151,8 +151,10 @@ class BatchingConfig:
         "max_tokens. Decode steps are then not captured as CUDA graphs", parse="whole"))
     prefill_token_budget: int = setting(8192, Flag(
         "--prefill-token-budget", "prompt tokens one scheduler step prefills before the running requests' next "
-        "decode step (at least one request, whatever its length): lower keeps streams' inter-token latency under a "
-        "burst of arrivals, higher lets new requests start sooner", parse="positive"))
+        "decode step (at least one request, whatever its length); while requests decode, a prefill computing more "
+        "than this many tokens times the model's layers pauses between two layers for their decode step: lower "
+        "keeps streams' inter-token latency flat under long prompts and bursts, higher lets new requests start "
+        "sooner", parse="positive"))
     decode_graphs: GraphMode = setting("auto", Flag(
         "--decode-graphs", "auto (default) or on: on a GPU with the Triton kernels, each decode step replays a CUDA "
         "graph captured once per batch size (1, 2, 4, ... up to --max-batch; captured on first use), instead of "

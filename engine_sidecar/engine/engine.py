@@ -107,6 +107,7 @@ class EngineStats:
     waiting: int  # sequences queued for the scheduler
     running: int  # sequences it is decoding
     kv_rows: KVRows  # KV rows the running sequences reserve and use, with their peaks
+    prefill_pauses: int = 0  # prefills paused between two layers for a decode step, since the engine started
 
 
 def block_pool(runner: ModelRunner, batching: BatchingConfig) -> BlockPool | None:
@@ -153,7 +154,8 @@ class Engine:
                                    config.batching.max_batch,
                                    max(1, config.batching.kv_bytes // kv_row_bytes),
                                    decode_graphs(runner, config.batching, self.max_context),
-                                   prefill_budget_tokens=config.batching.prefill_token_budget, blocks=self.blocks)
+                                   prefill_budget_tokens=config.batching.prefill_token_budget, blocks=self.blocks,
+                                   num_layers=runner.num_layers)
         self._close_at_exit = _closer(weakref.ref(self))
         atexit.register(self._close_at_exit)
         weakref.finalize(self, atexit.unregister, self._close_at_exit)  # collected unclosed: nothing to do at exit
@@ -231,7 +233,7 @@ class Engine:
             held = self.cache.stats()
             return EngineStats(store=held.store, conversations=held.conversations, cptree_nodes=held.cptree_nodes,
                                waiting=self.scheduler.waiting, running=self.scheduler.running,
-                               kv_rows=self.scheduler.kv_rows)
+                               kv_rows=self.scheduler.kv_rows, prefill_pauses=self.scheduler.prefill_splits)
 
         for _ in range(3):
             try:

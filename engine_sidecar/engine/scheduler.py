@@ -3,9 +3,12 @@
 Each step prefills waiting sequences, oldest first, while the running set has room in sequences
 and in reserved KV rows and their prompts stay within the step's prefill token budget (one is
 always taken, whatever its length), then runs one batched decode step over every running
-sequence, the new ones included. A running stream therefore waits at most one budget's worth of
-prefill between two of its tokens, however many requests queue up; a new request's first token
-waits for the prefills ahead of it in its step and for one decode step per earlier step. The
+sequence, the new ones included. While sequences are decoding, a step's prefills also stop after
+the budget's tokens times the model's layers in token-layers computed: a longer prefill pauses
+between two layers and goes on in the next step, before anyone new is admitted. A running stream
+therefore waits at most about one budget's worth of prefill between two of its tokens, however
+long the prompts; a new request's first token waits for the prefills ahead of it and for one
+decode step per step its own prefill or theirs spans. The
 engine's lock is held for one step at a time, so warm-ups, cache clears and fidelity probes
 interleave between steps.
 
@@ -46,8 +49,10 @@ class SequenceStepper(Protocol):
     """What the scheduler runs for one sequence, on the stepping thread with the lock held
     (`SequenceSteps` in the engine)."""
 
-    def begin(self, seq: Sequence) -> bool:
-        """Plan and prefill the sequence and sample its first token: True while it wants more."""
+    def begin(self, seq: Sequence, budget: int | None = None) -> bool | None:
+        """Plan and prefill the sequence and sample its first token: True while it wants more.
+        With `budget`, run about that many token-layers of its prefill (at least one layer),
+        setting `seq.prefill_spent`; None while the prefill is unfinished (call again)."""
         ...
 
     def complete(self, seq: Sequence) -> None:
@@ -79,7 +84,7 @@ class KVRows:
 class Scheduler:
     def __init__(self, decode: BatchDecode, lock: threading.RLock, steps: SequenceStepper, max_batch: int,
                  kv_budget_tokens: int, graphs: DecodeGraphs | None = None, prefill_budget_tokens: int = 8192,
-                 blocks: BlockPool | None = None):
+                 blocks: BlockPool | None = None, num_layers: int = 1):
         """`steps.begin(seq)` plans and prefills a sequence and samples its first token (True while
         it wants more); `steps.complete(seq)` runs after its last token. Both run on the stepping
         thread with `lock` held, as does `decode`, the batched decode step over the running
@@ -87,16 +92,21 @@ class Scheduler:
         prompts of at most `prefill_budget_tokens` tokens together (at least one prompt). With
         `blocks`, the running sequences' KV is in that pool (`steps.begin` moves it there) and a
         sequence is admitted while the pool's free blocks, less those the running ones may still
-        take, hold its prompt + max_tokens + 1 rows; `kv_budget_tokens` is then not used."""
+        take, hold its prompt + max_tokens + 1 rows; `kv_budget_tokens` is then not used. While
+        sequences are decoding, a step's prefills run at most `prefill_budget_tokens` x `num_layers`
+        token-layers (at least one layer): a longer prefill goes on in the next step, after the
+        running sequences' decode step."""
         self.decode, self.lock, self.graphs = decode, lock, graphs
         self.steps = steps
         self.max_batch = max(1, max_batch)
         self.kv_budget_tokens = kv_budget_tokens
         self.blocks = blocks
         self.prefill_budget_tokens = max(1, prefill_budget_tokens)
+        self.prefill_budget_token_layers = self.prefill_budget_tokens * max(1, num_layers)
+        self.prefill_splits = 0  # prefills paused for a decode step (for stats and tests)
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
-        self._starting: deque[Sequence] = deque()  # admitted to this step, prefill not yet begun
+        self._starting: deque[Sequence] = deque()  # admitted, prefill not done (the first's may be part-way)
         self._running: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -177,14 +187,16 @@ class Scheduler:
                 while not self._stopping and not self._waiting and not self._running:
                     self._cond.wait()
                 if self._stopping:
-                    pending = list(self._waiting) + self._running
+                    pending = list(self._starting) + list(self._waiting) + self._running
+                    self._starting.clear()
                     self._waiting.clear()
                     break
-                self._starting.extend(self._admit())
+                if not self._starting:  # a prefill left unfinished goes on before anyone is admitted
+                    self._starting.extend(self._admit())
             self._running = [s for s in self._running if not self._dropped(s)]
+            self._starting = deque(s for s in self._starting if not self._dropped(s))
             with self.lock:
-                while self._starting:
-                    self._prefill(self._starting.popleft())
+                self._prefill_step()
                 if self._running:
                     self._decode()
                 self._note_kv()  # what is held after the step (finished sequences let go of theirs)
@@ -237,19 +249,35 @@ class Scheduler:
         promised = sum(s.kv.blocks_promised for s in self._running if isinstance(s.kv, PagedKV))
         return self.blocks.free_blocks - promised
 
-    def _prefill(self, seq: Sequence) -> None:
-        self.steps_prefill += 1
-        try:
-            more = self.steps.begin(seq)
-        except BaseException as exc:  # the request's own error (bad prompt, damaged file...)
-            seq.release()
-            seq.fail(exc)
-            return
-        self._note_kv(seq)
-        if more:
-            self._running.append(seq)
-        else:
-            self._finish(seq)
+    def _prefill_step(self) -> None:
+        """This step's prefills, oldest first. With sequences decoding, within the step's budget
+        of token-layers: the one that exhausts it stays first in line, unfinished. A sequence's
+        error (bad prompt, damaged file...) fails it alone."""
+        budget = self.prefill_budget_token_layers if self._running else None
+        while self._starting:
+            seq = self._starting[0]
+            if seq.prefill is None:
+                self.steps_prefill += 1
+            try:
+                more = self.steps.begin(seq, budget)
+            except BaseException as exc:
+                self._starting.popleft()
+                seq.release()
+                seq.fail(exc)
+                continue
+            if more is None:
+                self.prefill_splits += 1
+                return  # paused: the running sequences decode first
+            self._starting.popleft()
+            self._note_kv(seq)
+            if more:
+                self._running.append(seq)
+            else:
+                self._finish(seq)
+            if budget is not None:
+                budget -= seq.prefill_spent
+                if budget <= 0:
+                    return
 
     def _note_kv(self, also: Sequence | None = None) -> None:
         """Count the KV rows the running sequences (and `also`, just prefilled) hold now."""

@@ -20,6 +20,7 @@ from engine_sidecar.engine.sampling import TextAccumulator, choose_token
 from ragcache_integrations.types import ChunkedPrompt, GenerationResult, GenerationStats, SamplingParams
 
 if TYPE_CHECKING:
+    from engine_sidecar.engine.prefill_stage import PrefillTask
     from engine_sidecar.execution.batched_decode import DecodeKV
     from engine_sidecar.execution.kv_buffer import KVBuffer
     from engine_sidecar.execution.policies import Policy
@@ -39,6 +40,8 @@ class Sequence:
     t0: float  # arrival: TTFT counts the wait for admission too
     times: dict[str, float] = field(default_factory=dict)
     kv: DecodeKV | None = None
+    prefill: PrefillTask | None = None  # its prefill while it runs across scheduler steps
+    prefill_spent: int = 0  # token-layers its last prefill step ran
     stats: GenerationStats | None = None
     text: TextAccumulator | None = None
     stop_ids: frozenset[int] = frozenset()
@@ -117,7 +120,11 @@ class Sequence:
 
     def release(self) -> None:
         """Let go of the KV buffer (it is large) as soon as the sequence is out of the running set:
-        to `on_release` where given, which may hand it to the next request."""
+        to `on_release` where given, which may hand it to the next request. A prefill still in
+        progress is stopped."""
+        prefill, self.prefill = self.prefill, None
+        if prefill is not None:
+            prefill.close()
         kv, self.kv = self.kv, None
         if kv is not None and self.on_release is not None:
             self.on_release(kv)

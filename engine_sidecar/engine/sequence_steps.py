@@ -34,23 +34,34 @@ class SequenceSteps:
         self.verifier = verifier
         self.blocks = blocks  # where decode KV lives, if anywhere but each sequence's own buffer
 
-    def begin(self, seq: Sequence) -> bool:
+    def begin(self, seq: Sequence, budget: int | None = None) -> bool | None:
         """Scheduler step (engine lock held): plan, prefill, keep what the prefill computed, sample
-        the first token. True while the sequence wants more tokens."""
-        started = time.perf_counter()
-        seq.times["queue_s"] = started - seq.t0 - seq.times.get("tokenize_s", 0.0)
-        prompt, planned = seq.prompt, seq.planned
-        if planned is None:
-            assert prompt is not None
-            planned = self.cache.plan(prompt, seq.policy, seq.tenant, answer_tokens=seq.sampling.max_tokens)
-            seq.times["plan_s"] = time.perf_counter() - started
-        reserved = planned.plan.num_tokens + seq.sampling.max_tokens + 1
-        # with a block pool the prefill's buffer holds the prompt only: decode grows blocks
-        capacity = reserved if self.blocks is None else max(1, planned.plan.num_tokens)
-        seq.on_release = self._let_go
-        planned, result = self.prefill.run(planned, capacity, seq.times,
-                                           allocate=self.kv_pool.take if self.kv_pool is not None else None)
+        the first token. True while the sequence wants more tokens. With `budget`, the prefill
+        runs about that many token-layers (at least one layer) and, unfinished, returns None:
+        call again (with `seq.prefill_spent` telling what this call ran)."""
+        if seq.prefill is None:  # its first call: plan (unless planned up front), set the prefill going
+            started = time.perf_counter()
+            seq.times["queue_s"] = started - seq.t0 - seq.times.get("tokenize_s", 0.0)
+            planned = seq.planned
+            if planned is None:
+                assert seq.prompt is not None
+                planned = self.cache.plan(seq.prompt, seq.policy, seq.tenant, answer_tokens=seq.sampling.max_tokens)
+                seq.times["plan_s"] = time.perf_counter() - started
+            # with a block pool the prefill's buffer holds the prompt only: decode grows blocks
+            capacity = planned.plan.num_tokens + seq.sampling.max_tokens + 1 if self.blocks is None \
+                else max(1, planned.plan.num_tokens)
+            seq.on_release = self._let_go
+            seq.prefill = self.prefill.start(planned, capacity, seq.times,
+                                             allocate=self.kv_pool.take if self.kv_pool is not None else None)
+        task = seq.prefill
+        assert task is not None
+        seq.prefill_spent = task.advance(budget)
+        if task.result is None:
+            return None
+        seq.prefill = None
+        planned, result = task.planned, task.result
         seq.planned = planned
+        reserved = planned.plan.num_tokens + seq.sampling.max_tokens + 1
         assert result.logits is not None
         stats = request_stats(planned, result, time.perf_counter() - seq.t0, seq.times,
                               self.runner.num_layers, self.convention)

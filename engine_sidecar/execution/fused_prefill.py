@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,10 @@ class StageClock:
         self.stages[stage] = self.stages.get(stage, 0.0) + now - self._last
         self._last = now
 
+    def resume(self) -> None:
+        """Back from a pause (the prefill was stepped apart): the pause counts in no stage."""
+        self._last = time.perf_counter()
+
 
 @dataclass
 class ActiveRows:
@@ -88,7 +92,6 @@ class ActiveRows:
         self.rope = self.rope.take(kept)
 
 
-@torch.inference_mode()
 def fused_prefill(
     runner: ModelRunner,
     plan: FusionPlan,
@@ -100,7 +103,34 @@ def fused_prefill(
     allocate: Callable[[int], KVBuffer] | None = None,
     graphs: PrefillGraphs | None = None,
 ) -> PrefillResult:
-    """Run the plan. `observer(layer, rotated queries [A,H,D], active positions [A], rotated keys
+    """Run the plan whole (`fused_prefill_steps` has the arguments)."""
+    steps = fused_prefill_steps(runner, plan, policy, capacity, need_logits, observer, prefetch_depth, allocate,
+                                graphs)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+@torch.inference_mode()
+def fused_prefill_steps(
+    runner: ModelRunner,
+    plan: FusionPlan,
+    policy: Policy,
+    capacity: int | None = None,
+    need_logits: bool = True,
+    observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+    prefetch_depth: int = 1,
+    allocate: Callable[[int], KVBuffer] | None = None,
+    graphs: PrefillGraphs | None = None,
+) -> Generator[int, None, PrefillResult]:
+    """Run the plan a layer at a time: between two layers it yields the token-layers computed so
+    far (the layers a CUDA graph replays run as one), and returns the result after the last.
+    Left unfinished (closed), it waits for its disk reads to end, so nothing writes into its
+    buffer afterwards.
+
+    `observer(layer, rotated queries [A,H,D], active positions [A], rotated keys
     [n,Hkv,D])` sees each layer's attention inputs (Cache-Craft records chunk statistics). Spans
     whose cached KV is still on disk (`ChunkKV.reader`) are read a layer at a time on a thread
     while earlier layers compute, `prefetch_depth` layers before layer 0 starts. `allocate(rows)`
@@ -131,21 +161,30 @@ def fused_prefill(
     # from this layer on the rows no longer change: a graph may run the rest
     graph_from = selection.refines_until(runner.num_layers) + 1 if run.graphable(graphs) else runner.num_layers
     replayed = None
-    for layer in range(runner.num_layers):
-        prefetcher.wait(layer)
-        if layer == graph_from and graphs is not None:
-            replayed = graphs.run((run.kv.keys_pre, run.kv.keys, run.kv.values), run.n, layer, rows.index,
-                                  rows.hidden)
-            if replayed is not None:
-                token_layers += int(rows.index.shape[0]) * (runner.num_layers - layer)
-                clock.mark("prefill_sparse_layers_s")
-                break
-        # a layer that starts with most rows active (layer 0 and the check layer of CacheBlend and
-        # its kin) is the fixed cost of a selective recompute: timed apart from the sparse ones
-        dense = 2 * rows.index.shape[0] > run.n
-        token_layers += run.layer(layer, rows)
-        clock.mark("prefill_dense_layers_s" if dense else "prefill_sparse_layers_s")
-    result = run.finish(rows, need_logits, token_layers, prefetcher, replayed)
+    finished = False
+    try:
+        for layer in range(runner.num_layers):
+            if layer:  # a pause point between two layers: the token-layers so far
+                yield token_layers
+                clock.resume()
+            prefetcher.wait(layer)
+            if layer == graph_from and graphs is not None:
+                replayed = graphs.run((run.kv.keys_pre, run.kv.keys, run.kv.values), run.n, layer, rows.index,
+                                      rows.hidden)
+                if replayed is not None:
+                    token_layers += int(rows.index.shape[0]) * (runner.num_layers - layer)
+                    clock.mark("prefill_sparse_layers_s")
+                    break
+            # a layer that starts with most rows active (layer 0 and the check layer of CacheBlend and
+            # its kin) is the fixed cost of a selective recompute: timed apart from the sparse ones
+            dense = 2 * rows.index.shape[0] > run.n
+            token_layers += run.layer(layer, rows)
+            clock.mark("prefill_dense_layers_s" if dense else "prefill_sparse_layers_s")
+        result = run.finish(rows, need_logits, token_layers, prefetcher, replayed)
+        finished = True
+    finally:
+        if not finished:
+            prefetcher.abandon()
     clock.mark("prefill_logits_s")
     result.stage_s = clock.stages
     result.decisions = selection.decided

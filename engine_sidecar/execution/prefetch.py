@@ -113,6 +113,12 @@ class LayerPrefetcher:
                 raise self._error
         self.times.wait_s += time.perf_counter() - started
 
+    def abandon(self) -> None:
+        """The prefill stopped before its end: wait for the thread, whatever it read or raised, so
+        that it no longer writes into the buffer."""
+        if self._thread is not None:
+            self._thread.join()
+
     def finish(self) -> list:
         """Join the thread; the fully read entries (to promote to RAM; sparse ones are not)."""
         if self._thread is not None:

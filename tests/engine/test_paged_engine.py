@@ -47,6 +47,18 @@ def _concurrently(fn, n: int) -> list:
     return results
 
 
+def _all_blocks_back(engine: Engine) -> bool:
+    """Whether every block is back in the pool: a request's result is posted just before the
+    scheduler lets go of its blocks, so the caller may look a moment early."""
+    assert engine.blocks is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if engine.blocks.free_blocks == engine.blocks.num_blocks and engine.stats().kv_rows.blocks_used == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def _answers(engine: Engine, n: int = 4) -> list[list[int]]:
     results = _concurrently(lambda i: engine.generate(_prompt(i), {**GREEDY, "max_tokens": 10 + 7 * i}), n)
     return [r.token_ids for r in results]
@@ -63,8 +75,8 @@ def test_paged_answers_equal_buffered_ones_and_every_block_comes_back(smol_dir):
         assert paged.scheduler.peak_batch > 1, "no decode step served more than one paged sequence"
         rows = paged.stats().kv_rows
         assert rows.blocks_total == paged.blocks.num_blocks
-        assert rows.peak_blocks_used >= 2 and rows.blocks_used == 0
-        assert paged.blocks.free_blocks == paged.blocks.num_blocks
+        assert rows.peak_blocks_used >= 2
+        assert _all_blocks_back(paged)
 
 
 def test_admission_waits_for_free_blocks(smol_dir):
@@ -82,7 +94,7 @@ def test_admission_waits_for_free_blocks(smol_dir):
         assert [r.token_ids for r in results] == [alone] * 5
         assert small.scheduler.peak_batch == 2
         assert small.stats().kv_rows.peak_blocks_used <= small.blocks.num_blocks
-        assert small.blocks.free_blocks == small.blocks.num_blocks
+        assert _all_blocks_back(small)
 
 
 def test_a_request_the_pool_can_never_hold_is_refused_up_front(tiny_llama_dir):
@@ -92,7 +104,7 @@ def test_a_request_the_pool_can_never_hold_is_refused_up_front(tiny_llama_dir):
         with pytest.raises(PromptTooLongError, match="--batch-kv-gb"):
             engine.generate(_prompt(0), {**GREEDY, "max_tokens": too_many})
         assert engine.generate(_prompt(0), {**GREEDY, "max_tokens": 4}).token_ids
-        assert engine.blocks.free_blocks == engine.blocks.num_blocks
+        assert _all_blocks_back(engine)
 
 
 def test_a_closed_stream_gives_its_blocks_back(tiny_llama_dir):
@@ -106,10 +118,7 @@ def test_a_closed_stream_gives_its_blocks_back(tiny_llama_dir):
         stream.close()
         other = engine.generate(_prompt(1), {**GREEDY, "max_tokens": 4})  # a step runs: the closed one leaves
         assert len(other.token_ids) == 4
-        deadline = time.monotonic() + 60
-        while engine.scheduler.running and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.blocks.free_blocks == engine.blocks.num_blocks
+        assert _all_blocks_back(engine)
 
 
 def test_a_conversation_continues_from_a_history_rebuilt_out_of_the_pool(smol_dir):
@@ -125,7 +134,7 @@ def test_a_conversation_continues_from_a_history_rebuilt_out_of_the_pool(smol_di
         answer, plan = two_turns(paged)
         assert plan[0]["kind"] == "history" and plan[0]["mode"] == "exact"
         assert answer == expected
-        assert paged.blocks is not None and paged.blocks.free_blocks == paged.blocks.num_blocks
+        assert _all_blocks_back(paged)
 
 
 def test_a_pool_smaller_than_one_block_is_a_settings_error(tiny_llama_dir):

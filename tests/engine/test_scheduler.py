@@ -9,6 +9,7 @@ import pytest
 
 from engine_sidecar import Engine
 from engine_sidecar.model.runner import ModelRunner
+from ragcache_integrations.policy_registry import DEFAULT_POLICY
 from tests.conftest import assert_batched_decode_matches_forward, make_tiny_model
 
 PASSAGES = [
@@ -104,3 +105,24 @@ def test_a_closed_stream_leaves_the_batch_and_others_finish(tiny_engine):
     after = tiny_engine.generate(_prompt(2), {"max_tokens": 6}, policy="full")
     assert len(other.token_ids) <= 6 and after.finish_reason in ("length", "stop")
     assert tiny_engine.scheduler.running == 0 and tiny_engine.scheduler.waiting == 0
+
+
+@pytest.mark.parametrize("policy", ["full", DEFAULT_POLICY])
+def test_a_prefill_split_between_decode_steps_answers_as_it_does_whole(smol_dir, policy):
+    """With a prefill budget of 16 tokens (x 30 layers) a request arriving while another decodes
+    has its prefill paused between layers for that one's decode steps: its answer is the one the
+    same request gets prefilled whole, when nothing else runs."""
+    with Engine.from_pretrained(smol_dir, device="cpu", dtype="float32", disk=False,
+                                prefill_token_budget=16) as engine:
+        question = _prompt(1)
+        engine.generate(question, {"max_tokens": 8}, policy=policy)  # its chunks are now cached
+        whole = engine.generate(question, {"max_tokens": 8}, policy=policy)
+        assert engine.scheduler.prefill_splits == 0  # nothing was decoding: prefilled whole
+        stream = engine.stream(_prompt(0), {"max_tokens": 80, "ignore_eos": True}, policy="full")
+        ticks = stream.ticks()
+        next(ticks)  # the other request is decoding now
+        split = engine.generate(question, {"max_tokens": 8}, policy=policy)
+        assert engine.scheduler.prefill_splits > 0
+        assert split.token_ids == whole.token_ids
+        assert split.stats.stage_times["prefill_s"] > 0
+        assert len(list(ticks)) == 79

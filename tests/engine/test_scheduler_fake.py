@@ -60,7 +60,7 @@ class FakeSteps:
         self.completed: list[str] = []
         self.threads: set[threading.Thread] = set()
 
-    def begin(self, seq: Sequence) -> bool:
+    def begin(self, seq: Sequence, budget: int | None = None) -> bool:
         self.threads.add(threading.current_thread())
         self.begun.append(seq.tenant)
         if seq.tenant in self.gated:
@@ -78,6 +78,26 @@ class FakeSteps:
         if seq.tenant in self.fail_complete:
             raise OSError(f"could not keep {seq.tenant}'s conversation")
         seq.finish()
+
+
+class LayeredSteps(FakeSteps):
+    """FakeSteps whose prefills cost `cost[name]` token-layers, run as far as each call's budget
+    allows (whole without one); every call is recorded as (name, budget, spent)."""
+
+    def __init__(self, first: dict[str, int], cost: dict[str, int], **kw):
+        super().__init__(first, **kw)
+        self.left = dict(cost)
+        self.calls: list[tuple[str, int | None, int]] = []
+
+    def begin(self, seq: Sequence, budget: int | None = None) -> bool | None:
+        left = self.left[seq.tenant]
+        spent = left if budget is None else min(left, budget)
+        self.left[seq.tenant] = left - spent
+        seq.prefill_spent = spent
+        self.calls.append((seq.tenant, budget, spent))
+        if self.left[seq.tenant]:
+            return None
+        return super().begin(seq, budget)
 
 
 class CountingDecode:
@@ -143,9 +163,9 @@ def make_scheduler() -> Iterator:
     made: list[Scheduler] = []
 
     def make(steps: FakeSteps, decode: CountingDecode, max_batch: int = 4, kv_budget: int = 1000,
-             prefill_budget: int = 8192) -> Scheduler:
+             prefill_budget: int = 8192, num_layers: int = 1) -> Scheduler:
         scheduler = Scheduler(decode, threading.RLock(), steps, max_batch, kv_budget,
-                              prefill_budget_tokens=prefill_budget)
+                              prefill_budget_tokens=prefill_budget, num_layers=num_layers)
         made.append(scheduler)
         return scheduler
 
@@ -393,3 +413,31 @@ def test_a_fault_fails_the_requests_admitted_to_the_step_but_not_yet_prefilled(m
         assert isinstance(got, SchedulerClosed) and "pool broken" in str(got)
     scheduler.close()
     assert steps.begun == ["z", "a"] and scheduler.failure == "RuntimeError: pool broken"
+
+
+def test_a_long_prefill_pauses_for_the_running_sequences_decode_steps(make_scheduler):
+    """Budget 10 tokens x 2 layers = 20 token-layers a step while a sequence decodes: b's prefill
+    of 50 runs over three steps, a decodes a token after each part, and b joins the batch after
+    its last part. a's own prefill ran whole (nothing was decoding then)."""
+    steps = LayeredSteps({"a": 10, "b": 20}, {"a": 35, "b": 50}, gated=frozenset({"a"}))
+    decode = CountingDecode()
+    scheduler = make_scheduler(steps, decode, prefill_budget=10, num_layers=2)
+    a, b = sequence("a", max_tokens=8), sequence("b", max_tokens=3)
+    submit_while_first_prefills(scheduler, steps, a, [b])
+    assert result(a).token_ids == list(range(10, 18)) and result(b).token_ids == [20, 21, 22]
+    assert steps.calls == [("a", None, 35), ("b", 20, 20), ("b", 20, 20), ("b", 20, 10)]
+    assert decode.batches[:6] == [[10], [11], [12], [13, 20], [14, 21], [15]]
+    assert scheduler.prefill_splits == 2
+
+
+def test_prefills_finish_in_arrival_order_when_one_is_split(make_scheduler):
+    """b and c are admitted together; b's prefill is split over steps and c's starts only after
+    b's last part, so prefills finish in arrival order."""
+    steps = LayeredSteps({"a": 10, "b": 20, "c": 30}, {"a": 1, "b": 50, "c": 1}, gated=frozenset({"a"}))
+    decode = CountingDecode()
+    scheduler = make_scheduler(steps, decode, prefill_budget=10, num_layers=2)
+    a, b, c = sequence("a", max_tokens=8), sequence("b"), sequence("c")
+    submit_while_first_prefills(scheduler, steps, a, [b, c])
+    assert [result(s).token_ids[0] for s in (a, b, c)] == [10, 20, 30]
+    order = [name for name, _, _ in steps.calls]
+    assert order == ["a", "b", "b", "b", "c"]
