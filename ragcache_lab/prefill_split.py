@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 512, 128],
                         help="--prefill-token-budget values, comma-separated")
     parser.add_argument("--arrivals", type=int, default=3, help="long prompts sent while the stream decodes")
-    parser.add_argument("--k", type=int, default=16, help="passages per long prompt")
+    parser.add_argument("--k", type=int, default=4, help="passages per long prompt (MuSiQue: ~2,400 tokens)")
     parser.add_argument("--policy", default="full", help="the long prompts' policy (default full: every row computed)")
     parser.add_argument("--stream-tokens", type=int, default=2000, help="the stream's answer, long enough to outlast "
                                                                         "the arrivals")
