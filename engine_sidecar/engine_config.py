@@ -147,8 +147,9 @@ class BatchingConfig:
         "--kv-block-size", "0 (default): each running request holds a buffer of its own, prompt + max_tokens rows "
         "of keys before and after RoPE and values; N: the running requests' KV lives in one pool of N-row blocks "
         "sized by --batch-kv-gb, rotated keys and values only (2/3 of the bytes per row), a request's blocks taken "
-        "as it grows and given back when it ends; a request is admitted while the free blocks hold its prompt + "
-        "max_tokens. Decode steps are then not captured as CUDA graphs", parse="whole"))
+        "as it grows and given back when it ends; a request is admitted while the free blocks hold its prompt, and "
+        "when the running requests outgrow the pool the newest is preempted, recomputed and resumed later. Decode "
+        "steps are then not captured as CUDA graphs", parse="whole"))
     prefill_token_budget: int = setting(8192, Flag(
         "--prefill-token-budget", "prompt tokens one scheduler step prefills before the running requests' next "
         "decode step (at least one request, whatever its length); while requests decode, a prefill computing more "

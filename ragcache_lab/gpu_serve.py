@@ -57,6 +57,7 @@ from ragcache_lab.open_loop import poisson_arrivals, row_stats, run_open, zipf_d
 
 OPEN_WINDOW_S, QUICK_OPEN_WINDOW_S, OPEN_MIN_REQUESTS = 30.0, 2.0, 8
 ZIPF_S = 1.0
+PAGED_ENGINE_BLOCK = 16  # vLLM's default block size, for the paged engine's estimate
 TEMPLATE_ROWS = 128  # the chat template and the question, over the passages, in a request's KV estimate
 
 
@@ -91,19 +92,21 @@ def decode_floor(shape: dict[str, Any], dtype: torch.dtype, bandwidth_gb_s: floa
 def requests_that_fit(shape: dict[str, Any], dtype: torch.dtype, kv_bytes: int, prompt_rows: int,
                       answer: tuple[int, int], block_size: int) -> dict[str, int]:
     """Concurrent requests of `prompt_rows` + an answer in `answer` whose KV fits in `kv_bytes`:
-    as buffers (admission reserves prompt + the longest answer + 1 rows of three tensors each), as
-    the block pool admits them (two tensors, whole blocks of that reservation), and as a paged
-    engine that admits by blocks in use would hold them at the mean answer length (two tensors,
-    whole blocks): the arithmetic behind "fits beside the model"."""
+    as buffers (admission reserves prompt + the longest answer + 1 rows of three tensors each); in
+    the block pool, which admits by blocks in use, at the mean answer length (two tensors, whole
+    blocks of `block_size` rows); and as a paged engine with vLLM's 16-row blocks would hold them
+    at the same length: the arithmetic behind "fits beside the model"."""
     element = torch.empty((), dtype=dtype).element_size()
     per_row = shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * element
     reserved = prompt_rows + answer[1] + 1
     mean_rows = prompt_rows + (answer[0] + answer[1]) // 2
-    blocks = -(-reserved // block_size)
-    return {"prompt_rows": prompt_rows, "reserved_rows": reserved, "block_size": block_size,
-            "buffers": kv_bytes // (3 * per_row * reserved),
-            "block_pool": (kv_bytes // (2 * per_row * block_size)) // blocks,
-            "paged_engine_estimate": kv_bytes // (2 * per_row * block_size * -(-mean_rows // block_size))}
+
+    def in_blocks(size: int) -> int:
+        return (kv_bytes // (2 * per_row * size)) // -(-mean_rows // size)
+
+    return {"prompt_rows": prompt_rows, "reserved_rows": reserved, "mean_rows": mean_rows, "block_size": block_size,
+            "buffers": kv_bytes // (3 * per_row * reserved), "block_pool": in_blocks(block_size),
+            "paged_engine_estimate": in_blocks(PAGED_ENGINE_BLOCK)}
 
 
 @dataclass(frozen=True)
@@ -173,8 +176,10 @@ def _row(mode: str, load: float, policy: str, setting: RowSetting,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     engine.reset_kv_peaks()
+    preempted = engine.stats().preemptions
     traces, wall = run()
-    kv = engine.stats().kv_rows
+    stats = engine.stats()
+    kv = stats.kv_rows
     row: dict[str, Any] = {"mode": mode, "load": load, "policy": policy,
                            **row_stats(traces, wall, setting.timeout_s)}
     row_bytes = kv_row_bytes(shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"],
@@ -182,6 +187,7 @@ def _row(mode: str, load: float, policy: str, setting: RowSetting,
     if kv.blocks_total:  # a block pool: held is whole blocks of rotated keys and values
         block_bytes = engine.settings().batching.kv_block_size * row_bytes * 2 // 3
         row["peak_kv_blocks"] = kv.peak_blocks_used
+        row["preemptions"] = stats.preemptions - preempted
         row["peak_kv_bytes"] = kv.peak_blocks_used * block_bytes
         row["peak_kv_used_bytes"] = kv.peak_used * row_bytes * 2 // 3
     else:
@@ -216,9 +222,9 @@ def serve_lines(shape: str, value: dict[str, Any]) -> list[str]:
         lines += ["", f"KV of the running requests: {value['batch_kv_gib']} GiB, held as {pool}. Requests of "
                       f"{fit['prompt_rows']} prompt rows that fit in it at once: {fit['buffers']} as buffers "
                       f"({fit['reserved_rows']} rows of three tensors each), {fit['block_pool']} in the block pool "
-                      f"({fit['reserved_rows']} rows of two, in whole blocks of {fit['block_size']}), "
-                      f"{fit['paged_engine_estimate']} in a paged engine that admits by blocks in use (the mean "
-                      f"answer's rows of two)."]
+                      f"and {fit['paged_engine_estimate']} in a paged engine with 16-row blocks (both admit by "
+                      f"blocks in use: {fit['mean_rows']} rows of two tensors at the mean answer, in whole "
+                      f"blocks of {fit['block_size']} and 16)."]
     errors = [f"{_load(r)} {r['policy']}: {r['first_error']}" for r in value["rows"] if r["first_error"]]
     return lines + ([""] + [f"First error, {e}" for e in errors] if errors else []) + [""]
 

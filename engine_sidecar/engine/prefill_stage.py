@@ -10,7 +10,7 @@ from collections.abc import Callable, Generator
 
 from engine_sidecar.execution.fused_prefill import PrefillResult, fused_prefill_steps
 from engine_sidecar.execution.kv_buffer import KVBuffer
-from engine_sidecar.execution.plan import FusionPlan
+from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.prefetch import preload_depth
 from engine_sidecar.execution.prefill_graphs import PrefillGraphs
 from engine_sidecar.model.runner import ModelRunner
@@ -36,13 +36,16 @@ class PrefillStage:
         return task.planned, task.result
 
     def start(self, planned: PlannedRequest, capacity: int, times: dict[str, float], upto: int | None = None,
-              allocate: Callable[[int], KVBuffer] | None = None) -> PrefillTask:
+              allocate: Callable[[int], KVBuffer] | None = None,
+              continuation: tuple[int, ...] | None = None) -> PrefillTask:
         """A prefill to advance a few layers at a time: the plan run with its policy (disk-tier KV
         prefetched layer by layer); once finished, the costs learned and what was read promoted to
         RAM. A file found damaged mid-read was deleted: the request is planned again from its
         prompt, reading whole files. With `upto`, only the spans that start before it run,
-        without logits (a prefill another engine finishes)."""
-        return PrefillTask(self, planned, capacity, times, upto, allocate)
+        without logits (a prefill another engine finishes). With a `continuation`, those tokens
+        follow the plan as a span computed in full, without logits (a preempted sequence's answer
+        so far, recomputed; () for one preempted after its first token)."""
+        return PrefillTask(self, planned, capacity, times, upto, allocate, continuation)
 
     def _finished(self, task: PrefillTask) -> None:
         result, times = task.result, task.times
@@ -81,9 +84,10 @@ class PrefillTask:
     time spent in it, not the pauses between calls (other sequences' decode steps)."""
 
     def __init__(self, stage: PrefillStage, planned: PlannedRequest, capacity: int, times: dict[str, float],
-                 upto: int | None, allocate: Callable[[int], KVBuffer] | None):
+                 upto: int | None, allocate: Callable[[int], KVBuffer] | None,
+                 continuation: tuple[int, ...] | None = None):
         self.stage, self.planned, self.capacity, self.times = stage, planned, capacity, times
-        self.upto, self.allocate = upto, allocate
+        self.upto, self.allocate, self.continuation = upto, allocate, continuation
         self.retried = False
         self.active_s = 0.0
         self._computed = 0  # token-layers the current attempt reported so far
@@ -95,9 +99,14 @@ class PrefillTask:
         plan, observer = planned.plan, planned.observer()
         if self.upto is not None:
             plan, observer = FusionPlan([s for s in plan.spans if s.start < self.upto], plan.policy), None
+        if self.continuation is not None:
+            observer = None
+        if self.continuation:
+            answer = PlanSpan("question", plan.num_tokens, self.continuation, "fresh")
+            plan = FusionPlan([*plan.spans, answer], plan.policy)
         assert planned.policy is not None, "a plan from ReuseCache.plan names its policy"
         return fused_prefill_steps(stage.runner, plan, planned.policy, capacity=self.capacity,
-                                   need_logits=self.upto is None, observer=observer,
+                                   need_logits=self.upto is None and self.continuation is None, observer=observer,
                                    prefetch_depth=stage._preload_depth(planned), allocate=self.allocate,
                                    graphs=stage.graphs)
 

@@ -104,6 +104,7 @@ class Scheduler:
         self.prefill_budget_tokens = max(1, prefill_budget_tokens)
         self.prefill_budget_token_layers = self.prefill_budget_tokens * max(1, num_layers)
         self.prefill_splits = 0  # prefills paused for a decode step (for stats and tests)
+        self.preemptions = 0  # sequences preempted from the block pool (for stats and tests)
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._starting: deque[Sequence] = deque()  # admitted, prefill not done (the first's may be part-way)
@@ -214,11 +215,13 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         """The oldest waiting sequences that fit beside the running ones, in arrival order, while
         their prompts stay within the prefill budget. The first always fits the budget, and fits
-        the KV rows when nothing runs (a request larger than the KV budget runs, alone; with a
-        block pool, `submit` refused any the whole pool cannot hold)."""
+        the KV rows when nothing runs (a request larger than the KV budget runs, alone). With a
+        block pool, a sequence fits while the free blocks hold its rows so far (prompt, answer so
+        far for one preempted, and the next token's) with a block to spare for every sequence
+        decoding beside it; `submit` refused any the whole pool cannot hold to its end."""
         admitted: list[Sequence] = []
         reserved = sum(s.reserved_tokens for s in self._running)
-        free_blocks = self._unpromised_blocks()
+        free_blocks = self.blocks.free_blocks - len(self._running) if self.blocks is not None else 0
         prompt_tokens = 0
         while self._waiting:
             head = self._waiting[0]
@@ -229,7 +232,7 @@ class Scheduler:
                 break
             alone = not self._running and not admitted
             if self.blocks is not None:
-                need = self.blocks.blocks_for(head.reserved_tokens)
+                need = self.blocks.blocks_for(head.rows_to_resume) + 1  # and its spare block
                 if need > free_blocks:
                     break
                 free_blocks -= need
@@ -242,12 +245,24 @@ class Scheduler:
             prompt_tokens += head.prompt_tokens
         return admitted
 
-    def _unpromised_blocks(self) -> int:
-        """The pool's free blocks less those running sequences may still take (0 without a pool)."""
-        if self.blocks is None:
-            return 0
-        promised = sum(s.kv.blocks_promised for s in self._running if isinstance(s.kv, PagedKV))
-        return self.blocks.free_blocks - promised
+    def _make_room(self) -> None:
+        """Before a decode step from the block pool: while the running sequences' next rows need
+        more blocks than are free, the newest one is preempted (its blocks freed, it goes back to
+        the head of the queue and its KV is recomputed when it is admitted again). The oldest is
+        never preempted: `submit` made sure it fits alone."""
+        assert self.blocks is not None
+        pool = self.blocks
+        need = {id(s): pool.blocks_to_append(s.kv.table, 1) for s in self._running if isinstance(s.kv, PagedKV)}
+        preempted: list[Sequence] = []
+        while sum(need.values()) > pool.free_blocks and len(self._running) > 1:
+            seq = self._running.pop()
+            need.pop(id(seq), None)
+            seq.release()
+            preempted.append(seq)
+        if preempted:
+            self.preemptions += len(preempted)
+            with self._cond:
+                self._waiting.extendleft(preempted)  # the newest last: oldest first again
 
     def _prefill_step(self) -> None:
         """This step's prefills, oldest first. With sequences decoding, within the step's budget
@@ -290,6 +305,8 @@ class Scheduler:
                               self.blocks.num_blocks if self.blocks is not None else 0)
 
     def _decode(self) -> None:
+        if self.blocks is not None:
+            self._make_room()
         batch = self._running
         self.steps_decode += 1
         self.decode_batch_sum += len(batch)

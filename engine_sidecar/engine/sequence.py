@@ -63,6 +63,12 @@ class Sequence:
             return self.kv.capacity
         return self.prompt_tokens + self.sampling.max_tokens + 1
 
+    @property
+    def rows_to_resume(self) -> int:
+        """KV rows it needs to go on: its prompt and answer so far, and the next token's."""
+        prompt = self.planned.plan.num_tokens if self.planned is not None else self.prompt_tokens
+        return prompt + len(self.generated) + 1
+
     # --- scheduler side ------------------------------------------------------------------------
     def begin_decoding(self, logits: torch.Tensor, kv: KVBuffer, stats: GenerationStats, decode: Callable[[list[int]], str],
                        stop_ids: set[int]) -> bool:

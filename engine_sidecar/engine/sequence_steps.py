@@ -38,7 +38,15 @@ class SequenceSteps:
         """Scheduler step (engine lock held): plan, prefill, keep what the prefill computed, sample
         the first token. True while the sequence wants more tokens. With `budget`, the prefill
         runs about that many token-layers (at least one layer) and, unfinished, returns None:
-        call again (with `seq.prefill_spent` telling what this call ran)."""
+        call again (with `seq.prefill_spent` telling what this call ran). A sequence preempted
+        from the block pool has its KV recomputed instead (`seq.generated` is not empty)."""
+        if seq.prefill is None and seq.generated:
+            assert seq.planned is not None and self.blocks is not None
+            # its KV held the prompt and every answer token but the last (the next one fed back)
+            answer = tuple(seq.generated[:-1])
+            seq.prefill = self.prefill.start(seq.planned, max(1, seq.planned.plan.num_tokens + len(answer)), {},
+                                             allocate=self.kv_pool.take if self.kv_pool is not None else None,
+                                             continuation=answer)
         if seq.prefill is None:  # its first call: plan (unless planned up front), set the prefill going
             started = time.perf_counter()
             seq.times["queue_s"] = started - seq.t0 - seq.times.get("tokenize_s", 0.0)
@@ -60,8 +68,14 @@ class SequenceSteps:
             return None
         seq.prefill = None
         planned, result = task.planned, task.result
-        seq.planned = planned
         reserved = planned.plan.num_tokens + seq.sampling.max_tokens + 1
+        if task.continuation is not None:  # resumed: back into the pool, decoding from its next token
+            assert self.blocks is not None and seq.next_token is not None
+            seq.kv = PagedKV.from_buffer(self.blocks, result.kv, reserved)
+            self._let_go(result.kv)
+            seq.times["resumed"] = seq.times.get("resumed", 0.0) + 1
+            return True
+        seq.planned = planned
         assert result.logits is not None
         stats = request_stats(planned, result, time.perf_counter() - seq.t0, seq.times,
                               self.runner.num_layers, self.convention)

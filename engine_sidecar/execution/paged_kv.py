@@ -25,7 +25,7 @@ from ragcache_kernels import dispatch
 class PagedKV:
     pool: BlockPool
     table: BlockTable
-    reserved: int  # rows admission counted for it (prompt + max_tokens + 1): blocks it may still take
+    reserved: int  # rows it may reach (prompt + max_tokens + 1), as the scheduler counts them
 
     @classmethod
     def from_buffer(cls, pool: BlockPool, kv: KVBuffer, reserved: int) -> PagedKV:
@@ -41,17 +41,12 @@ class PagedKV:
 
     @property
     def capacity(self) -> int:
-        """Rows counted for it: what it was admitted with (its blocks hold `held_rows`)."""
+        """Rows it may reach (its blocks hold `held_rows`)."""
         return self.reserved
 
     @property
     def held_rows(self) -> int:
         return len(self.table.blocks) * self.pool.block_size
-
-    @property
-    def blocks_promised(self) -> int:
-        """Blocks it may still take before it reaches its reserved rows."""
-        return max(0, self.pool.blocks_for(self.reserved) - len(self.table.blocks))
 
     def release(self) -> None:
         self.pool.free(self.table)

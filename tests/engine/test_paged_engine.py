@@ -12,6 +12,8 @@ import pytest
 
 from engine_sidecar import Engine
 from engine_sidecar.errors import PromptTooLongError
+from engine_sidecar.execution.policies import parse_policy
+from ragcache_integrations.policy_registry import DEFAULT_POLICY
 from ragcache_integrations.types import ChunkedPrompt
 
 PASSAGES = [
@@ -79,21 +81,34 @@ def test_paged_answers_equal_buffered_ones_and_every_block_comes_back(smol_dir):
         assert _all_blocks_back(paged)
 
 
-def test_admission_waits_for_free_blocks(smol_dir):
-    """Identical requests that need r blocks each, in a pool of 3r - 1: two run at once, the
-    others wait for blocks (none fails), and each answers what it answers alone."""
-    sampling = {**GREEDY, "max_tokens": 24}
-    with _engine(smol_dir, kv_block_size=8) as probe:
-        alone = probe.generate(_prompt(0), sampling).token_ids
+def _pool_engine(smol_dir, blocks: int, block_size: int = 8) -> Engine:
+    with _engine(smol_dir, kv_block_size=block_size) as probe:
         assert probe.blocks is not None
-        per_request = probe.blocks.blocks_for(probe.stats().kv_rows.peak_reserved)
         block_bytes = probe.blocks.bytes_per_block
-    with _engine(smol_dir, kv_block_size=8, batch_kv_bytes=block_bytes * (3 * per_request - 1)) as small:
-        assert small.blocks is not None and small.blocks.num_blocks == 3 * per_request - 1
-        results = _concurrently(lambda i: small.generate(_prompt(0), sampling), 5)
-        assert [r.token_ids for r in results] == [alone] * 5
-        assert small.scheduler.peak_batch == 2
-        assert small.stats().kv_rows.peak_blocks_used <= small.blocks.num_blocks
+    return _engine(smol_dir, kv_block_size=block_size, batch_kv_bytes=block_bytes * blocks)
+
+
+@pytest.mark.parametrize("policy", ["full", DEFAULT_POLICY])
+def test_a_pool_too_small_for_every_answer_preempts_and_recomputes(smol_dir, policy):
+    """Three requests admitted by the rows they hold now, in a pool that holds one whole answer
+    and a few blocks more: two start together, run out of blocks as they grow, the newest is
+    preempted (its blocks freed, queued first again, its prompt and answer so far recomputed
+    when it is let back in), and all three finish, none with an error. Under `full` each
+    answer is the one it gets alone."""
+    sampling = {**GREEDY, "max_tokens": 60}
+    with _engine(smol_dir, kv_block_size=8) as probe:
+        alone = [probe.generate(_prompt(i), sampling, policy=policy).token_ids for i in range(3)]
+        assert probe.blocks is not None
+        whole = max(probe.blocks.blocks_for(probe.cache.plan(_prompt(i), parse_policy(policy), "").plan.num_tokens
+                                            + 61) for i in range(3))
+    with _pool_engine(smol_dir, whole + 4) as small:
+        results = _concurrently(lambda i: small.generate(_prompt(i), sampling, policy=policy), 3)
+        assert all(len(r.token_ids) == 60 for r in results)
+        if policy == "full":
+            assert [r.token_ids for r in results] == alone
+        stats = small.stats()
+        assert small.scheduler.peak_batch >= 2 and stats.preemptions >= 1
+        assert stats.kv_rows.peak_blocks_used <= whole + 4
         assert _all_blocks_back(small)
 
 
