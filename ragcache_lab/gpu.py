@@ -57,7 +57,7 @@ from ragcache_lab.gpu_counts import (
     site_counts,
     sync,
 )
-from ragcache_lab.gpu_decode import decode_section, graph_decode_guard
+from ragcache_lab.gpu_decode import block_pool_guard, decode_section, graph_decode_guard
 from ragcache_lab.gpu_http import http_section
 from ragcache_lab.gpu_models import (
     GUARD_SHAPES,
@@ -74,6 +74,7 @@ from ragcache_lab.gpu_models import (
 from ragcache_lab.gpu_serve import serve_lines, serve_section
 from ragcache_lab.gpu_tiles import tile_lines, tile_sweep
 
+BLOCK_POOL_ROWS = 16  # the decode section's block-pool run: vLLM's default block size
 SECTIONS = ("kernels", "guards", "ttft", "decode", "http", "serve", "tiles")  # gpu_args.SECTION_NAMES
 POLICIES = ("full", "reuse", "cacheblend:0.15", "cacheblend", "epic:16", "cachecraft:1")
 # measured again with --prefill-graphs on, on the same prompts (on a CPU nothing replays: the rows
@@ -271,6 +272,7 @@ def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path
             out["triton_vs_torch_engine_max_abs"] = float((torch_logits.float() - triton_logits.float()).abs().max())
             out["graph_decode"] = graph_decode_guard(engine.model_runner(), tolerance)
             out["graph_prefill"] = graph_prefill_guard(engine, reordered, tolerance)
+        out["block_pool_decode"] = block_pool_guard(engine.model_runner(), tolerance)
         out["tiers"] = tier_round_trip(device, dtype, work)
     finally:
         engine.close()
@@ -286,6 +288,7 @@ def guards_section(device: torch.device, dtype: torch.dtype, tokenizer_dir: Path
                    and out.get("triton_vs_torch_engine_max_abs", 0.0) <= 4 * tolerance and out["tiers"]["pass"]
                    and out.get("graph_decode", {}).get("pass", True)
                    and out.get("graph_prefill", {}).get("pass", True)
+                   and out["block_pool_decode"]["pass"]
                    and all(row["pass"] for row in out["families"].values()))
     return out
 
@@ -585,6 +588,8 @@ def run_gpu_bench(args: argparse.Namespace) -> dict[str, Any]:
             if device.type == "cuda":
                 section(f"decode_{shapes[-1]}_graphs", lambda: decode_section(shapes[-1], device, dtype, tokenizer_dir,
                                                                               work, args, peaks, graphs=True))
+            section(f"decode_{shapes[-1]}_block_pool", lambda: decode_section(
+                shapes[-1], device, dtype, tokenizer_dir, work, args, peaks, kv_block_size=BLOCK_POOL_ROWS))
         if args.http_clients and "http" in wanted:
             section(f"http_{shapes[-1]}", lambda: http_section(shapes[-1], device, dtype, tokenizer_dir, work, args))
         if "serve" in wanted:
@@ -636,6 +641,8 @@ def markdown(report: dict[str, Any]) -> str:
                   + (", prefill graphs vs op by op " + ", ".join(
                       f"{p} {guards['graph_prefill'][p]['max_abs']:.4g}" for p in GRAPH_POLICIES[:2]
                       if p in guards["graph_prefill"]) if "graph_prefill" in guards else "")
+                  + (f", block-pool decode vs buffers {guards['block_pool_decode']['max_abs']:.4g}"
+                     if "block_pool_decode" in guards else "")
                   + f"; tolerance {guards['tolerance']}; "
                   + _tiers_line(guards.get("tiers", {})) + ")", ""]
         families = guards.get("families", {})
@@ -665,7 +672,10 @@ def markdown(report: dict[str, Any]) -> str:
             lines += _ttft_lines(key[5:], value, report["machine"]["device"])
         elif key.startswith("decode_") and "tokens_each" in value:
             how = "replayed from CUDA graphs" if value.get("graphs") else "launched op by op"
-            lines += [f"Decode, {key[7:].removesuffix('_graphs')} shape, {value['tokens_each']} tokens each, {how}:",
+            if value.get("kv_block_size"):
+                how += f", KV in a block pool of {value['kv_block_size']}-row blocks"
+            shape = key[7:].removesuffix("_graphs").removesuffix("_block_pool")
+            lines += [f"Decode, {shape} shape, {value['tokens_each']} tokens each, {how}:",
                       "", "| concurrent | tokens/s | floor tokens/s | TTFT p50 s |", "|---|---|---|---|"]
             lines += [f"| {c} | {r['tokens_per_s']} | {r['floor_tokens_per_s']} | {r['ttft_p50_s']} |"
                       for c, r in value.items() if isinstance(r, dict)]

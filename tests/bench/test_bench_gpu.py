@@ -29,6 +29,9 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
     # each other family's small model through the engine on this device, against transformers
     assert set(guards["families"]) == {"qwen3", "qwen3_moe", "gemma3_text"}
     assert all(row["pass"] and row["full_vs_transformers_argmax_equal"] for row in guards["families"].values())
+    # decode from the block pool (one sequence in its own buffer beside) against buffers alone
+    assert guards["block_pool_decode"]["pass"] and guards["block_pool_decode"]["same_tokens"]
+    assert guards["block_pool_decode"]["max_abs"] < 1e-3  # fp32 on a CPU
     tiers = guards["tiers"]
     assert tiers["host_round_trip_equal"] and tiers["disk_copy_equal"]
     assert (tiers["host_hits"], tiers["host_demotions"]) == (1, 2)  # the second moves out for the first
@@ -49,6 +52,8 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
     assert ttft["transformers_full_ms"] > 0 and ttft["floor_weights_read_ms"] > 0 and ttft["floor_full_prefill_ms"] > 0
     decode = report["decode_tiny"]
     assert decode["1"]["output_tokens"] == 4 and decode["2"]["output_tokens"] == 8
+    pooled = report["decode_tiny_block_pool"]  # the same load with the KV in the block pool
+    assert pooled["kv_block_size"] == 16 and pooled["2"]["output_tokens"] == 8
     http = report["http_tiny"]  # the sidecar's own app, clients streaming over a loopback port
     assert [(http[c]["requests"], http[c]["errors"], http[c]["output_tokens"]) for c in ("1", "2")] == [(1, 0, 4),
                                                                                                       (2, 0, 8)]
@@ -57,6 +62,7 @@ def test_the_dry_run_reports_every_section(smol_dir, tmp_path, capsys):
     table = (out / "bench-gpu.md").read_text()
     assert "HTTP, tiny shape: streamed `/v1/generate`, 2 stored passages" in table
     assert report["machine"]["name"] in table and "| full | reuse |" in table and "floor tokens/s" in table
+    assert "KV in a block pool of 16-row blocks" in table
     assert "host tier round trip exact, disk copy exact" in table
     assert f"Launches per request (aten ops, views excluded): full {ttft['policies']['full']['launches']}" in table
     assert table.strip() in capsys.readouterr().out
