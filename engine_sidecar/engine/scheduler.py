@@ -90,9 +90,9 @@ class Scheduler:
         thread with `lock` held, as does `decode`, the batched decode step over the running
         sequences. `graphs`, where given, replays decode steps from CUDA graphs. A step prefills
         prompts of at most `prefill_budget_tokens` tokens together (at least one prompt). With
-        `blocks`, the running sequences' KV is in that pool (`steps.begin` moves it there) and a
-        sequence is admitted while the pool's free blocks, less those the running ones may still
-        take, hold its prompt + max_tokens + 1 rows; `kv_budget_tokens` is then not used. While
+        `blocks`, the running sequences' KV is in that pool (`steps.begin` moves it there), a
+        sequence is admitted by the blocks its rows take now (`_admit`), and a decode step that
+        would run out preempts the newest (`_make_room`); `kv_budget_tokens` is then not used. While
         sequences are decoding, a step's prefills run at most `prefill_budget_tokens` x `num_layers`
         token-layers (at least one layer): a longer prefill goes on in the next step, after the
         running sequences' decode step."""
