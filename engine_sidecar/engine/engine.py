@@ -109,6 +109,7 @@ class EngineStats:
     kv_rows: KVRows  # KV rows the running sequences reserve and use, with their peaks
     prefill_pauses: int = 0  # prefills paused between two layers for a decode step, since the engine started
     preemptions: int = 0  # sequences preempted from the KV block pool to be recomputed, since the engine started
+    peak_batch: int = 0  # the most sequences one decode step served, since the engine started
 
 
 def block_pool(runner: ModelRunner, batching: BatchingConfig) -> BlockPool | None:
@@ -235,7 +236,7 @@ class Engine:
             return EngineStats(store=held.store, conversations=held.conversations, cptree_nodes=held.cptree_nodes,
                                waiting=self.scheduler.waiting, running=self.scheduler.running,
                                kv_rows=self.scheduler.kv_rows, prefill_pauses=self.scheduler.prefill_splits,
-                               preemptions=self.scheduler.preemptions)
+                               preemptions=self.scheduler.preemptions, peak_batch=self.scheduler.peak_batch)
 
         for _ in range(3):
             try:
