@@ -81,13 +81,36 @@ class PagedStep:
         c = runner.config
         self.flat_shape = (pool.num_blocks * pool.block_size, c.num_kv_heads, c.head_dim)
         self.scale = c.head_dim**-0.5  # as every decode attention here: a family's own query scale is in q
+        self.tables = [kv.table for kv in kvs]
+        self._rows: dict[int | None, list[torch.Tensor]] = {}  # each sequence's visible slots, per window
 
     def write_and_attend(self, layer: int, q: torch.Tensor, k_rot: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """New rows of one layer written, then q [P, H, D] attended over each sequence's rows ->
         [P, H * D]."""
         key_blocks, value_blocks = self.pool.layer(layer)
-        key_blocks.view(self.flat_shape).index_copy_(0, self.slots, k_rot.to(key_blocks.dtype))
-        value_blocks.view(self.flat_shape).index_copy_(0, self.slots, values.to(value_blocks.dtype))
+        flat_keys, flat_values = key_blocks.view(self.flat_shape), value_blocks.view(self.flat_shape)
+        flat_keys.index_copy_(0, self.slots, k_rot.to(key_blocks.dtype))
+        flat_values.index_copy_(0, self.slots, values.to(value_blocks.dtype))
+        window = self.runner.window(layer)
+        if q.device.type == "cpu":
+            # each sequence's rows gathered in their own dtype for the native CPU kernel the
+            # buffers' decode uses: one copy of the rows read, where the torch reference converts
+            # them to fp32 and pads every sequence to the longest
+            rows = self._visible_rows(window)
+            keys = [flat_keys.index_select(0, r) for r in rows]
+            visible_values = [flat_values.index_select(0, r) for r in rows]
+            out = dispatch.decode_attention(q.contiguous(), keys, visible_values)
+            if out is not None:
+                return out
         out = dispatch.paged_decode_attention(q, key_blocks, value_blocks, self.block_tables, self.lengths,
-                                              self.scale, self.runner.window(layer))
+                                              self.scale, window)
         return out.reshape(q.shape[0], -1)
+
+    def _visible_rows(self, window: int | None) -> list[torch.Tensor]:
+        """Each sequence's slots of the rows its query sees (the last `window` with a sliding
+        window), made once per step and window."""
+        if window not in self._rows:
+            self._rows[window] = [self.pool.slots(t, max(0, t.length - window) if window else 0,
+                                                  t.length - (max(0, t.length - window) if window else 0))
+                                  for t in self.tables]
+        return self._rows[window]
