@@ -29,7 +29,7 @@ from engine_sidecar.execution.plan import FusionPlan, PlanSpan
 from engine_sidecar.execution.policies import FullPolicy
 from engine_sidecar.model.runner import ModelRunner
 from ragcache_lab.gpu import describe_machine
-from ragcache_lab.report import write_report
+from ragcache_lab.report import run_and_write
 
 
 def _buffers(runner: ModelRunner, batch: int, context: int) -> list[KVBuffer]:
@@ -138,11 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine_sidecar.model.prepare import resolve_model_dir
 
         args.model = resolve_model_dir("default")
-    report = run(args)
-    text = table(report)
-    print(text)
-    write_report(args.json, {**report, "config": {k: str(v) for k, v in vars(args).items()}}, text)
-    return 0
+    return run_and_write(args, run, table)
 
 
 if __name__ == "__main__":

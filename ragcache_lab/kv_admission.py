@@ -25,7 +25,7 @@ from engine_sidecar import Engine
 from engine_sidecar.calibrate.datasets import chunk_texts, load_dataset
 from ragcache_lab.gpu import describe_machine
 from ragcache_lab.gpu_models import SHARED_DATA
-from ragcache_lab.report import write_report
+from ragcache_lab.report import run_and_write
 
 GIB = 1 << 30
 
@@ -96,11 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--json", type=Path, default=Path("bench-results/kv-admission.json"))
     args = parser.parse_args(argv)
-    report = run(args)
-    text = table(report)
-    print(text)
-    write_report(args.json, {**report, "config": {k: str(v) for k, v in vars(args).items()}}, text)
-    return 0
+    return run_and_write(args, run, table)
 
 
 if __name__ == "__main__":

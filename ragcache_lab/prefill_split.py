@@ -25,7 +25,7 @@ import torch
 from engine_sidecar import Engine
 from ragcache_lab.gpu import describe_machine
 from ragcache_lab.gpu_models import SHARED_DATA
-from ragcache_lab.report import write_report
+from ragcache_lab.report import run_and_write
 from ragcache_lab.stream import corpus_texts
 
 
@@ -104,11 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                         "the arrivals")
     parser.add_argument("--json", type=Path, default=Path("bench-results/prefill-split.json"))
     args = parser.parse_args(argv)
-    report = run(args)
-    text = table(report)
-    print(text)
-    write_report(args.json, {**report, "config": {k: str(v) for k, v in vars(args).items()}}, text)
-    return 0
+    return run_and_write(args, run, table)
 
 
 if __name__ == "__main__":

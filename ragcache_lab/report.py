@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,17 @@ def write_report(path: Path, payload: dict[str, Any], table: str) -> list[Path]:
     markdown = path.with_suffix(".md")
     markdown.write_text(table + "\n", encoding="utf-8")
     return [path, markdown]
+
+
+def run_and_write(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]],
+                  table: Callable[[dict[str, Any]], str]) -> int:
+    """A side-by-side lab command's end: run it, print its table, write the JSON (with the flags)
+    and the table to `args.json`."""
+    report = run(args)
+    text = table(report)
+    print(text)
+    write_report(args.json, {**report, "config": {k: str(v) for k, v in vars(args).items()}}, text)
+    return 0
 
 
 def args_config(args: argparse.Namespace) -> dict[str, Any]:
