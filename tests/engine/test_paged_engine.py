@@ -14,7 +14,7 @@ from engine_sidecar.errors import PromptTooLongError
 from engine_sidecar.execution.policies import parse_policy
 from ragcache_integrations.policy_registry import DEFAULT_POLICY
 from ragcache_integrations.types import ChunkedPrompt
-from tests.engine.test_scheduler import _concurrently
+from tests.engine.test_scheduler import concurrently
 
 PASSAGES = [
     "The Amazon river flows through Brazil, Peru and Colombia into the Atlantic Ocean.",
@@ -46,7 +46,7 @@ def _all_blocks_back(engine: Engine) -> bool:
 
 
 def _answers(engine: Engine, n: int = 4) -> list[list[int]]:
-    results = _concurrently(lambda i: engine.generate(_prompt(i), {**GREEDY, "max_tokens": 10 + 7 * i}), n)
+    results = concurrently(lambda i: engine.generate(_prompt(i), {**GREEDY, "max_tokens": 10 + 7 * i}), n)
     return [r.token_ids for r in results]
 
 
@@ -95,7 +95,7 @@ def test_a_pool_too_small_for_every_answer_preempts_and_recomputes(smol_dir, pol
     pool = 2 * prompt_blocks + 6  # two prompts with their spare blocks, however the arrivals fall
     assert whole <= pool < 2 * whole
     with _pool_engine(smol_dir, pool) as small:
-        results = _concurrently(lambda i: small.generate(_prompt(i), sampling, policy=policy), 3)
+        results = concurrently(lambda i: small.generate(_prompt(i), sampling, policy=policy), 3)
         assert all(len(r.token_ids) == 60 for r in results)
         if policy == "full":
             assert [r.token_ids for r in results] == alone

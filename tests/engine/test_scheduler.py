@@ -48,7 +48,7 @@ def _prompt(i: int) -> dict:
     return {"chunks": [PASSAGES[i % 4], PASSAGES[(i + 1) % 4]], "question": QUESTIONS[i % len(QUESTIONS)]}
 
 
-def _concurrently(fn, n: int) -> list:
+def concurrently(fn, n: int) -> list:
     results: list = [None] * n
     start = threading.Barrier(n)
 
@@ -71,7 +71,7 @@ def test_greedy_answers_under_concurrency_equal_sequential_ones(smol_engine, pol
     n = 6
     alone = [smol_engine.generate(_prompt(i), {"max_tokens": 12}, policy=policy).token_ids for i in range(n)]
     steps, served = smol_engine.scheduler.steps_decode, smol_engine.scheduler.decode_batch_sum
-    together = _concurrently(lambda i: smol_engine.generate(_prompt(i), {"max_tokens": 12}, policy=policy), n)
+    together = concurrently(lambda i: smol_engine.generate(_prompt(i), {"max_tokens": 12}, policy=policy), n)
     assert [r.token_ids for r in together] == alone
     assert smol_engine.scheduler.decode_batch_sum - served > smol_engine.scheduler.steps_decode - steps, \
         "no decode step served more than one sequence"
@@ -81,14 +81,14 @@ def test_greedy_answers_under_concurrency_equal_sequential_ones(smol_engine, pol
 def test_max_batch_and_kv_budget_bound_the_running_set(tiny_llama_dir, tmp_path):
     engine = Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", disk=False, max_batch=2)
     try:
-        _concurrently(lambda i: engine.generate(_prompt(i), {"max_tokens": 16}, policy="full"), 5)
+        concurrently(lambda i: engine.generate(_prompt(i), {"max_tokens": 16}, policy="full"), 5)
         assert engine.scheduler.peak_batch == 2
     finally:
         engine.close()
     # a budget below one sequence's KV: each runs alone (still runs: nothing would otherwise)
     engine = Engine.from_pretrained(tiny_llama_dir, device="cpu", dtype="float32", disk=False, batch_kv_bytes=1)
     try:
-        results = _concurrently(lambda i: engine.generate(_prompt(i), {"max_tokens": 8}, policy="full"), 3)
+        results = concurrently(lambda i: engine.generate(_prompt(i), {"max_tokens": 8}, policy="full"), 3)
         assert all(r.token_ids for r in results)
         assert engine.scheduler.peak_batch == 1
     finally:
